@@ -1,0 +1,217 @@
+"""torchrun rendezvous on etcd v3.
+
+torch ships etcd rendezvous backends only for the etcd **v2** API, which
+etcd 3.6 removed.  This module provides the v3 equivalent for torch's
+``DynamicRendezvousHandler``:
+
+* :class:`Etcd3RendezvousBackend` -- the ``RendezvousBackend`` (get_state /
+  set_state with a fencing token).  The token is the state key's etcd
+  ``mod_revision``; ``set_state`` is one compare-and-swap transaction.
+* :class:`EtcdC10dStore` -- a ``torch.distributed.Store`` on etcd, handed to
+  the agents for rank assignment, master address exchange and exit barriers.
+* :func:`handler_factory` -- registered under the ``torchrun.handlers`` entry
+  point as ``etcd3``, so plain
+  ``torchrun --rdzv-backend=etcd3 --rdzv-endpoint=127.0.0.1:2379 --rdzv-id=RUN``
+  works with this package installed, inside or outside ``elastic-launch``.
+
+Backend semantics follow torch's own backends exactly: absent state -> None;
+a stale or invalid token -> the current state and ``False``; a state that
+cannot be decoded -> :class:`RendezvousStateError`; etcd unreachable ->
+:class:`RendezvousConnectionError`.
+
+``--rdzv-conf`` keys understood here (besides torch's own join/last_call/
+close/heartbeat timeouts): ``key_prefix`` (default ``/elastic``),
+``request_timeout`` and ``retry_deadline`` (seconds, etcd client).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+from torch.distributed.elastic.rendezvous import (
+    RendezvousConnectionError,
+    RendezvousHandler,
+    RendezvousParameters,
+    RendezvousStateError,
+)
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend, Token, create_handler
+
+from elastic.store import EtcdStore, StoreError, StoreTimeout, StoreUnavailable
+
+BACKEND_NAME = "etcd3"
+DEFAULT_KEY_PREFIX = "/elastic"
+
+# Stored value = magic + base64(pickled state).  The magic makes a foreign or
+# truncated value detectable before torch tries to unpickle it.
+_STATE_MAGIC = b"ERDZV1:"
+
+
+def run_prefix(key_prefix: str, run_id: str) -> str:
+    """Root of every key a run owns in etcd."""
+    return f"{key_prefix.rstrip('/')}/runs/{run_id}"
+
+
+class Etcd3RendezvousBackend(RendezvousBackend):
+    """Rendezvous state in one etcd key, updated by compare-and-swap on mod revision."""
+
+    def __init__(self, store: EtcdStore, run_id: str, key_prefix: str = DEFAULT_KEY_PREFIX) -> None:
+        if not run_id:
+            raise ValueError("The run id must be a non-empty string.")
+        self._store = store
+        self._key = f"{run_prefix(key_prefix, run_id)}/rdzv/state"
+
+    @property
+    def name(self) -> str:
+        return BACKEND_NAME
+
+    @property
+    def key(self) -> str:
+        return self._key
+
+    def get_state(self) -> tuple[bytes, Token] | None:
+        try:
+            kv = self._store.get(self._key)
+        except StoreError as exc:
+            raise RendezvousConnectionError(
+                "The connection to etcd has failed. See inner exception for details."
+            ) from exc
+        if kv is None:
+            return None
+        return _decode_state(kv.value), kv.mod_revision
+
+    def set_state(self, state: bytes, token: Token | None = None) -> tuple[bytes, Token, bool] | None:
+        if token is not None:
+            try:
+                expected = int(token)
+            except (TypeError, ValueError):
+                # An invalid token can never match; report the current state.
+                return self._current_with_false()
+        else:
+            expected = 0  # create only
+        if expected < 0:
+            return self._current_with_false()
+        try:
+            ok, kv = self._store.compare_and_swap(self._key, _STATE_MAGIC + base64.b64encode(state), expected)
+        except StoreError as exc:
+            raise RendezvousConnectionError(
+                "The connection to etcd has failed. See inner exception for details."
+            ) from exc
+        if ok:
+            assert kv is not None
+            return state, kv.mod_revision, True
+        if kv is None:
+            return None
+        return _decode_state(kv.value), kv.mod_revision, False
+
+    def _current_with_false(self) -> tuple[bytes, Token, bool] | None:
+        current = self.get_state()
+        if current is None:
+            return None
+        return current[0], current[1], False
+
+
+def _decode_state(raw: bytes) -> bytes:
+    if not raw.startswith(_STATE_MAGIC):
+        raise RendezvousStateError("The state object is corrupt (bad header); it was not written by this backend.")
+    try:
+        return base64.b64decode(raw[len(_STATE_MAGIC) :], validate=True)
+    except binascii.Error as exc:
+        raise RendezvousStateError("The state object is corrupt. See inner exception for details.") from exc
+
+
+class EtcdC10dStore(dist.Store):
+    """A ``torch.distributed.Store`` whose keys live under one etcd prefix.
+
+    ``get`` and ``wait`` block (up to the store timeout) until the key exists,
+    as the c10d contract requires; they wait with bounded watches rather than
+    busy polling.  Used only by the torchrun agents (a handful of keys per
+    rendezvous round), never by training collectives.
+    """
+
+    def __init__(self, store: EtcdStore, prefix: str, timeout: timedelta = timedelta(seconds=300)) -> None:
+        super().__init__()
+        self._store = store
+        self._prefix = prefix.rstrip("/") + "/"
+        self.set_timeout(timeout)
+
+    def _k(self, key: str) -> str:
+        return self._prefix + key
+
+    def set(self, key: str, value: Any) -> None:
+        self._guard(lambda: self._store.put(self._k(key), _as_bytes(value)))
+
+    def get(self, key: str) -> bytes:
+        return self._wait_one(key, self.timeout).value
+
+    def add(self, key: str, value: int) -> int:
+        return self._guard(lambda: self._store.add(self._k(key), int(value)))
+
+    def check(self, keys: list[str]) -> bool:
+        return all(self._guard(lambda k=k: self._store.get(self._k(k))) is not None for k in keys)
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        budget = timeout if timeout is not None else self.timeout
+        deadline = time.monotonic() + budget.total_seconds()
+        for key in keys:
+            remaining = max(deadline - time.monotonic(), 0.0)
+            self._wait_one(key, timedelta(seconds=remaining))
+
+    def delete_key(self, key: str) -> bool:
+        return self._guard(lambda: self._store.delete(self._k(key)))
+
+    def num_keys(self) -> int:
+        return self._guard(lambda: self._store.count_prefix(self._prefix))
+
+    def _wait_one(self, key: str, timeout: timedelta):
+        try:
+            return self._store.wait_for_key(self._k(key), timeout.total_seconds())
+        except StoreTimeout as exc:
+            # c10d callers (store_util.barrier, get) expect a timeout to surface as an error
+            # they can report; DistStoreError is what TCPStore raises.
+            raise dist.DistStoreError(f"Timeout waiting for key {key!r} in the etcd store") from exc
+        except StoreUnavailable as exc:
+            raise RendezvousConnectionError(f"etcd unreachable while waiting for {key!r}") from exc
+
+    @staticmethod
+    def _guard(fn):
+        try:
+            return fn()
+        except StoreError as exc:
+            raise RendezvousConnectionError(
+                "The connection to etcd has failed. See inner exception for details."
+            ) from exc
+
+
+def _as_bytes(value: Any) -> bytes:
+    if isinstance(value, (bytes, bytearray)):
+        return bytes(value)
+    if isinstance(value, str):
+        return value.encode()
+    if isinstance(value, list):  # c10d passes std::vector<uint8_t> as a list of ints
+        return bytes(value)
+    return str(value).encode()
+
+
+def create_etcd3_handler(params: RendezvousParameters) -> RendezvousHandler:
+    """Creator registered with torchrun: endpoint + run id -> DynamicRendezvousHandler."""
+    endpoint = params.endpoint or "127.0.0.1:2379"
+    request_timeout = float(params.get("request_timeout", 5) or 5)
+    retry_deadline = float(params.get("retry_deadline", 15) or 15)
+    key_prefix = params.get("key_prefix", DEFAULT_KEY_PREFIX) or DEFAULT_KEY_PREFIX
+    try:
+        store = EtcdStore(endpoint, request_timeout=request_timeout, retry_deadline=retry_deadline)
+    except ValueError as exc:
+        raise ValueError(f"--rdzv-endpoint: {exc}") from None
+    backend = Etcd3RendezvousBackend(store, params.run_id, key_prefix)
+    c10d_store = EtcdC10dStore(store, f"{run_prefix(key_prefix, params.run_id)}/c10d")
+    return create_handler(c10d_store, backend, params)
+
+
+def handler_factory():
+    """Zero-argument factory for the ``torchrun.handlers`` entry point."""
+    return create_etcd3_handler
