@@ -117,7 +117,7 @@ class EmbeddedEtcd:
             "--log-level", "warn",
         ]
 
-    def start(self, timeout: float = 20.0) -> str:
+    def start(self, timeout: float = 20.0, parent_death_signal: int | None = None) -> str:
         """Start the server (or restart it on the same data dir) and wait until healthy."""
         if self.proc is not None and self.proc.poll() is None:
             return self.endpoint
@@ -125,8 +125,13 @@ class EmbeddedEtcd:
         log = open(self.log_path, "ab")
         # Own session: Ctrl-C in the launcher's terminal must not kill etcd before the
         # agents have shut down cleanly; the launcher stops it last.
+        preexec = None
+        if parent_death_signal is not None:
+            from elastic.procs import child_preexec
+
+            preexec = child_preexec(parent_death_signal)
         self.proc = subprocess.Popen(
-            self.command(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            self.command(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=preexec
         )
         log.close()
         self._wait_healthy(timeout)

@@ -9,7 +9,7 @@ etcd 3.6 removed.  This module provides the v3 equivalent for torch's
   ``mod_revision``; ``set_state`` is one compare-and-swap transaction.
 * :class:`EtcdC10dStore` -- a ``torch.distributed.Store`` on etcd, handed to
   the agents for rank assignment, master address exchange and exit barriers.
-* :func:`handler_factory` -- registered under the ``torchrun.handlers`` entry
+* :func:`create_etcd3_handler` -- registered (via :mod:`elastic.rdzv_plugin`) under the ``torchrun.handlers`` entry
   point as ``etcd3``, so plain
   ``torchrun --rdzv-backend=etcd3 --rdzv-endpoint=127.0.0.1:2379 --rdzv-id=RUN``
   works with this package installed, inside or outside ``elastic-launch``.
@@ -41,19 +41,13 @@ from torch.distributed.elastic.rendezvous import (
 )
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend, Token, create_handler
 
+from elastic.naming import BACKEND_NAME, DEFAULT_KEY_PREFIX, run_prefix
 from elastic.store import EtcdStore, StoreError, StoreTimeout, StoreUnavailable
 
-BACKEND_NAME = "etcd3"
-DEFAULT_KEY_PREFIX = "/elastic"
 
 # Stored value = magic + base64(pickled state).  The magic makes a foreign or
 # truncated value detectable before torch tries to unpickle it.
 _STATE_MAGIC = b"ERDZV1:"
-
-
-def run_prefix(key_prefix: str, run_id: str) -> str:
-    """Root of every key a run owns in etcd."""
-    return f"{key_prefix.rstrip('/')}/runs/{run_id}"
 
 
 class Etcd3RendezvousBackend(RendezvousBackend):
@@ -210,8 +204,3 @@ def create_etcd3_handler(params: RendezvousParameters) -> RendezvousHandler:
     backend = Etcd3RendezvousBackend(store, params.run_id, key_prefix)
     c10d_store = EtcdC10dStore(store, f"{run_prefix(key_prefix, params.run_id)}/c10d")
     return create_handler(c10d_store, backend, params)
-
-
-def handler_factory():
-    """Zero-argument factory for the ``torchrun.handlers`` entry point."""
-    return create_etcd3_handler

@@ -1,0 +1,25 @@
+"""Checkpoint settings, importable without torch (the launcher validates them)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from elastic.config import ConfigError
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    dir: str = "checkpoints"
+    """Checkpoint root; relative paths are resolved against the run directory."""
+    interval_steps: int = 10
+    """Save every N optimizer steps (0 disables periodic saves)."""
+    keep_last: int = 3
+    """Committed checkpoints to retain; the newest is never deleted."""
+    verify_on_load: bool = True
+    """Verify per-file sha256 before loading."""
+
+    def __post_init__(self) -> None:
+        if self.interval_steps < 0:
+            raise ConfigError("interval_steps", "must be >= 0")
+        if self.keep_last < 1:
+            raise ConfigError("keep_last", "must be >= 1")

@@ -1,0 +1,102 @@
+"""Process-tree helpers: own process groups, parent-death signals, tree kill.
+
+torchrun starts each worker in a session of its own, so signalling torchrun's
+process group does not reach the workers.  The agent therefore remembers the
+whole tree below torchrun (read from /proc) and signals every member, and
+every child it starts gets a parent-death signal so that nothing outlives a
+SIGKILLed parent.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import time
+from collections.abc import Iterable
+
+_PR_SET_PDEATHSIG = 1
+
+
+def set_parent_death_signal(sig: int = signal.SIGTERM) -> None:
+    """Ask the kernel to send ``sig`` to this process when its parent dies (Linux)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+def child_preexec(sig: int = signal.SIGTERM):
+    """``preexec_fn`` for Popen: parent-death signal (the new session comes from start_new_session)."""
+
+    def _preexec() -> None:
+        set_parent_death_signal(sig)
+
+    return _preexec
+
+
+def children(pid: int) -> list[int]:
+    kids: list[int] = []
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{tid}/children") as fh:
+                    kids.extend(int(x) for x in fh.read().split())
+            except OSError:
+                continue
+    except OSError:
+        pass
+    return kids
+
+
+def descendants(pid: int) -> list[int]:
+    """All live descendants of ``pid`` (breadth first)."""
+    found: list[int] = []
+    queue = [pid]
+    while queue:
+        for kid in children(queue.pop(0)):
+            if kid not in found:
+                found.append(kid)
+                queue.append(kid)
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            state = fh.read().rsplit(")", 1)[1].split()[0]
+        return state != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def signal_all(pids: Iterable[int], sig: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def terminate_tree(root_pid: int | None, known: Iterable[int] = (), grace: float = 5.0) -> None:
+    """SIGTERM the tree (root + descendants + previously seen pids), then SIGKILL what remains."""
+    pids = set(known)
+    if root_pid is not None:
+        pids.add(root_pid)
+        pids.update(descendants(root_pid))
+    pids = {p for p in pids if alive(p)}
+    if not pids:
+        return
+    # A stopped (SIGSTOP) process never handles SIGTERM: continue it first.
+    signal_all(pids, signal.SIGCONT)
+    signal_all(pids, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline:
+        if root_pid is not None:
+            pids.update(p for p in descendants(root_pid))
+        pids = {p for p in pids if alive(p)}
+        if not pids:
+            return
+        time.sleep(0.05)
+    signal_all(pids, signal.SIGKILL)

@@ -1,0 +1,88 @@
+"""Worker-side API: how any trainer talks to its node agent.
+
+The channel is one UDP datagram per report to the agent's loopback socket
+(address in ``ELASTIC_AGENT_ADDR``).  UDP because a report must never block
+or fail a training step: if the agent is gone or slow, the datagram is
+dropped and training goes on.  Reports are small JSON objects::
+
+    {"type": "step",   "rank": 0, "step": 12, "loss": 0.41, "step_time": 0.03, "ts": ...}
+    {"type": "commit", "rank": 0, "step": 10, "ts": ...}
+    {"type": "numerics", "rank": 0, "step": 12, "reason": "nan loss", "ts": ...}
+
+Without ``ELASTIC_AGENT_ADDR`` (plain torchrun, tests) every call is a no-op.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from elastic.procs import set_parent_death_signal
+
+AGENT_ADDR_ENV = "ELASTIC_AGENT_ADDR"
+PG_TIMEOUT_ENV = "ELASTIC_PG_TIMEOUT"
+
+
+def pg_timeout(default_s: float = 600.0):
+    """Collective timeout chosen by the agent (kept below its hang detection), as a timedelta."""
+    from datetime import timedelta
+
+    return timedelta(seconds=float(os.environ.get(PG_TIMEOUT_ENV, default_s)))
+
+
+@dataclass
+class WorkerContext:
+    rank: int
+    local_rank: int
+    world_size: int
+    run_dir: Path
+    agent_addr: tuple[str, int] | None
+    _sock: socket.socket | None = None
+
+    @classmethod
+    def from_env(cls, run_dir: str | os.PathLike[str]) -> WorkerContext:
+        addr = None
+        raw = os.environ.get(AGENT_ADDR_ENV)
+        if raw:
+            host, _, port = raw.rpartition(":")
+            addr = (host, int(port))
+        ctx = cls(
+            rank=int(os.environ.get("RANK", 0)),
+            local_rank=int(os.environ.get("LOCAL_RANK", 0)),
+            world_size=int(os.environ.get("WORLD_SIZE", 1)),
+            run_dir=Path(run_dir),
+            agent_addr=addr,
+        )
+        if addr is not None:
+            # Under an agent, a worker must not outlive torchrun (node-lost semantics, no orphans).
+            set_parent_death_signal(signal.SIGKILL)
+            ctx._sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            ctx._sock.setblocking(False)
+        return ctx
+
+    def _send(self, payload: dict[str, Any]) -> None:
+        if self._sock is None or self.agent_addr is None:
+            return
+        payload.setdefault("rank", self.rank)
+        payload.setdefault("local_rank", self.local_rank)
+        payload["ts"] = time.time()
+        payload["pid"] = os.getpid()
+        try:
+            self._sock.sendto(json.dumps(payload).encode(), self.agent_addr)
+        except OSError:
+            pass  # agent gone or buffer full: never let reporting hurt training
+
+    def report_step(self, step: int, loss: float, step_time: float) -> None:
+        self._send({"type": "step", "step": step, "loss": loss, "step_time": step_time})
+
+    def report_commit(self, step: int) -> None:
+        self._send({"type": "commit", "step": step})
+
+    def report_numerics(self, step: int, reason: str) -> None:
+        self._send({"type": "numerics", "step": step, "reason": reason})

@@ -1,0 +1,94 @@
+"""``elastic-launch``: run a training job under elastic agents.
+
+    elastic-launch --nodes 4 examples/tiny.yaml          # local: embedded etcd, 4 simulated nodes
+    elastic-launch --nodes 2:4 --etcd-endpoint 10.0.0.5:2379 --node-id $(hostname) job.yaml
+
+Flags override the YAML file; ``--set section.key=value`` overrides any
+field (value parsed as YAML).  Config errors print one line and exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import yaml
+
+from elastic.config import ConfigError, override
+from launch.config import RunConfig, load_config
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="elastic-launch", description=__doc__.split("\n\n")[0])
+    p.add_argument("config", nargs="?", help="run config YAML (defaults apply without one)")
+    p.add_argument("--nodes", help='number of nodes, "N" or "MIN:MAX" (launch.nodes)')
+    p.add_argument("--nproc-per-node", type=int, help="workers per node (launch.nproc_per_node)")
+    p.add_argument("--etcd-endpoint", help="host:port of etcd; omit for local mode (launch.etcd_endpoint)")
+    p.add_argument("--node-id", help="this node's id in cluster mode (launch.node_id)")
+    p.add_argument("--run-id", help="run id (run.id)")
+    p.add_argument("--run-dir", help="run directory (run.dir)")
+    p.add_argument("--max-restarts", type=int, help="per-node restart budget (agent.max_restarts)")
+    p.add_argument("--steps", type=int, help="training steps (trainer.steps)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override any config field, e.g. --set checkpoint.interval_steps=5")
+    return p
+
+
+_FLAG_FIELDS = {
+    "nodes": "launch.nodes",
+    "nproc_per_node": "launch.nproc_per_node",
+    "etcd_endpoint": "launch.etcd_endpoint",
+    "node_id": "launch.node_id",
+    "run_id": "run.id",
+    "run_dir": "run.dir",
+    "max_restarts": "agent.max_restarts",
+    "steps": "trainer.steps",
+}
+
+
+def resolve_config(args: argparse.Namespace) -> RunConfig:
+    cfg = load_config(args.config)
+    for attr, dotted in _FLAG_FIELDS.items():
+        value = getattr(args, attr)
+        if value is not None:
+            try:
+                cfg = override(cfg, dotted, value)
+            except ConfigError as exc:
+                raise ConfigError(f"--{attr.replace('_', '-')}", exc.message) from None
+    for item in args.set:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError("--set", f"expected KEY=VALUE, got {item!r}")
+        try:
+            value = yaml.safe_load(raw)
+        except yaml.YAMLError:
+            raise ConfigError(f"--set {key}", f"cannot parse value {raw!r}") from None
+        cfg = override(cfg, key.strip(), value)
+    return cfg
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        cfg = resolve_config(args)
+        if cfg.launch.etcd_endpoint:
+            from elastic.store import parse_endpoint
+
+            try:
+                parse_endpoint(cfg.launch.etcd_endpoint)
+            except ValueError as exc:
+                raise ConfigError("launch.etcd_endpoint", str(exc)) from None
+    except ConfigError as exc:
+        print(f"elastic-launch: config error: {exc}", file=sys.stderr)
+        return 2
+    from launch.local import Launcher, format_summary
+
+    launcher = Launcher(cfg, Path(cfg.run_dir()).resolve())
+    result = launcher.run()
+    print(format_summary(result.summary), flush=True)
+    return result.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

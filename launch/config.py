@@ -1,0 +1,131 @@
+"""The run config: one YAML file, one typed dataclass per component.
+
+Precedence (lowest to highest): dataclass defaults, the YAML file, CLI flags
+(``elastic-launch --nodes ...``, ``--set section.key=value``).  Unknown keys
+and bad values are rejected with a one-line :class:`ConfigError` naming the
+dotted field path.
+
+    run:        {id, dir}
+    launch:     {nodes: "N" | "MIN:MAX", nproc_per_node, etcd_endpoint, entrypoint}
+    agent:      elastic.agent.AgentConfig
+    rendezvous: elastic.agent.RendezvousConfig
+    checkpoint: elastic.checkpoint.CheckpointConfig
+    trainer:    the trainer's own section (trainer.train.MLPTrainerConfig)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from elastic.agent_config import AgentConfig, RendezvousConfig
+from elastic.checkpoint_config import CheckpointConfig
+from elastic.config import ConfigError, from_dict, to_dict
+from trainer.minimal_config import MLPTrainerConfig
+
+_NODES_RE = re.compile(r"^(\d+)(?::(\d+))?$")
+_RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+
+def parse_nodes(text: str) -> tuple[int, int]:
+    """"N" -> (N, N); "MIN:MAX" -> (MIN, MAX); ValueError otherwise."""
+    match = _NODES_RE.match(str(text).strip())
+    if not match:
+        raise ValueError(f"must be N or MIN:MAX, got {text!r}")
+    lo = int(match.group(1))
+    hi = int(match.group(2)) if match.group(2) else lo
+    if lo < 1 or hi < lo:
+        raise ValueError(f"need 1 <= MIN <= MAX, got {text!r}")
+    return lo, hi
+
+
+@dataclass(kw_only=True)
+class RunSection:
+    id: str = "local"
+    """Run id: names the run's keys in etcd and the rendezvous."""
+    dir: str = ""
+    """Run directory (events, checkpoints, logs, summary); default runs/<id>."""
+
+    def __post_init__(self) -> None:
+        if not _RUN_ID_RE.match(self.id):
+            raise ConfigError("id", f"must match {_RUN_ID_RE.pattern}, got {self.id!r}")
+
+
+@dataclass(kw_only=True)
+class LaunchConfig:
+    nodes: str = "1"
+    """Number of nodes, "N" or elastic "MIN:MAX"."""
+    nproc_per_node: int = 1
+    etcd_endpoint: str | None = None
+    """host:port of the run's etcd; empty -> local mode with an embedded etcd."""
+    node_id: str | None = None
+    """This node's id in cluster mode (default: the hostname)."""
+    entrypoint: list[str] = field(default_factory=lambda: ["-m", "trainer.train"])
+    """What torchrun runs; the agent appends --config and --run-dir."""
+
+    def __post_init__(self) -> None:
+        try:
+            parse_nodes(self.nodes)
+        except ValueError as exc:
+            raise ConfigError("nodes", str(exc)) from None
+        if self.nproc_per_node < 1:
+            raise ConfigError("nproc_per_node", "must be >= 1")
+        if not self.entrypoint:
+            raise ConfigError("entrypoint", "must not be empty")
+
+    @property
+    def min_nodes(self) -> int:
+        return parse_nodes(self.nodes)[0]
+
+    @property
+    def max_nodes(self) -> int:
+        return parse_nodes(self.nodes)[1]
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    run: RunSection = field(default_factory=RunSection)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    rendezvous: RendezvousConfig = field(default_factory=RendezvousConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    trainer: MLPTrainerConfig = field(default_factory=MLPTrainerConfig)
+    fingerprint: str = ""
+    """Set by the launcher: hash of what defines the training state (checkpoints from other configs are foreign)."""
+
+    def run_dir(self) -> Path:
+        return Path(self.run.dir or f"runs/{self.run.id}")
+
+    def compute_fingerprint(self) -> str:
+        # Only what changes the meaning of saved state: the trainer section and world layout.
+        # Restart budgets, timeouts and paths may change between restarts of the same run.
+        basis = {"trainer": to_dict(self.trainer), "nproc_per_node": self.launch.nproc_per_node}
+        return hashlib.sha256(json.dumps(basis, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def load_config(path: str | os.PathLike[str] | None) -> RunConfig:
+    """YAML file -> RunConfig; ConfigError (one line, names the field) on any problem."""
+    if path is None:
+        return RunConfig()
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise ConfigError("", f"cannot read config {path}: {exc.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        raise ConfigError("", f"{path}: invalid YAML{where}") from None
+    return from_dict(RunConfig, data or {})
+
+
+def dump_config(cfg: RunConfig, path: str | os.PathLike[str]) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))

@@ -1,0 +1,192 @@
+"""Start the agents of a run: N simulated nodes locally, or this node in a cluster.
+
+Local mode (no etcd endpoint): an embedded etcd on a free loopback port and
+one agent process per simulated node (``node0`` ... ``node{N-1}``), all on
+this host.  Cluster mode: one agent for this node against the given etcd.
+
+Teardown is the launcher's job and happens on every exit path: agents get
+SIGTERM (they stop their torchrun trees), stragglers get SIGKILL after the
+grace period, then any process still below the launcher is killed and etcd
+is stopped last.  If the launcher itself is SIGKILLed, every agent and etcd
+has a parent-death signal and cleans up on its own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from elastic.etcd_server import EmbeddedEtcd
+from elastic.events import EventLog, read_run_events
+from elastic.procs import child_preexec, descendants, terminate_tree
+from launch.config import RunConfig, dump_config
+
+
+@dataclass
+class AgentProc:
+    node_id: str
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+    rc: int | None = None
+
+
+@dataclass
+class LaunchResult:
+    exit_code: int
+    summary: dict = field(default_factory=dict)
+
+
+class Launcher:
+    def __init__(self, cfg: RunConfig, run_dir: Path) -> None:
+        self.cfg = cfg
+        self.run_dir = run_dir
+        self.etcd: EmbeddedEtcd | None = None
+        self.agents: list[AgentProc] = []
+        self._stop_signal: int | None = None
+        self.events = EventLog(run_dir / "events" / "launcher.jsonl", "launcher")
+
+    # -- setup --------------------------------------------------------------
+    def _endpoint(self) -> str:
+        if self.cfg.launch.etcd_endpoint:
+            return self.cfg.launch.etcd_endpoint
+        self.etcd = EmbeddedEtcd(data_dir=self.run_dir / "etcd", log_path=self.run_dir / "logs" / "etcd.log")
+        endpoint = self.etcd.start(parent_death_signal=signal.SIGTERM)
+        self.events.emit("launcher.etcd_started", endpoint=endpoint, pid=self.etcd.pid)
+        return endpoint
+
+    def node_ids(self) -> list[str]:
+        if self.cfg.launch.etcd_endpoint:
+            return [self.cfg.launch.node_id or socket.gethostname()]
+        return [f"node{i}" for i in range(self.cfg.launch.max_nodes)]
+
+    def _spawn_agent(self, node_id: str, endpoint: str, config_path: Path) -> AgentProc:
+        log_path = self.run_dir / "logs" / f"agent-{node_id}.log"
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, "-m", "elastic.agent", "--run-id", self.cfg.run.id, "--node-id", node_id,
+               "--etcd-endpoint", endpoint, "--run-dir", str(self.run_dir), "--config", str(config_path)]
+        with open(log_path, "ab") as log:
+            # Own session: a terminal Ctrl-C reaches only the launcher, which then stops the
+            # agents in order instead of every process receiving SIGINT at once.
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                    preexec_fn=child_preexec(signal.SIGTERM))
+        self.events.emit("launcher.agent_started", node=node_id, pid=proc.pid)
+        return AgentProc(node_id, proc, log_path)
+
+    # -- run ------------------------------------------------------------------
+    def _on_signal(self, signum: int, _frame) -> None:
+        self._stop_signal = signum
+
+    def run(self) -> LaunchResult:
+        started = time.time()
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            self.cfg.fingerprint = self.cfg.compute_fingerprint()
+            config_path = self.run_dir / "config.resolved.yaml"
+            dump_config(self.cfg, config_path)
+            endpoint = self._endpoint()
+            self.events.emit("launcher.start", run_id=self.cfg.run.id, nodes=self.cfg.launch.nodes,
+                             endpoint=endpoint, local=self.etcd is not None)
+            for node_id in self.node_ids():
+                self.agents.append(self._spawn_agent(node_id, endpoint, config_path))
+            self._wait_agents()
+        finally:
+            self._teardown()
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        summary = self.summarize(time.time() - started)
+        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        return LaunchResult(self._exit_code(), summary)
+
+    def _wait_agents(self) -> None:
+        while any(a.rc is None for a in self.agents):
+            if self._stop_signal is not None:
+                self.events.emit("launcher.interrupted", signal=self._stop_signal)
+                return
+            for agent in self.agents:
+                if agent.rc is None:
+                    agent.rc = agent.proc.poll()
+                    if agent.rc is not None:
+                        self.events.emit("launcher.agent_exit", node=agent.node_id, rc=agent.rc)
+            time.sleep(0.1)
+
+    def _teardown(self) -> None:
+        grace = self.cfg.agent.term_grace_s
+        known: set[int] = set()
+        for agent in self.agents:
+            known.update(descendants(agent.proc.pid))
+            if agent.proc.poll() is None:
+                agent.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace * 2 + 5
+        for agent in self.agents:
+            try:
+                agent.proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                pass
+            if agent.rc is None:
+                agent.rc = agent.proc.poll()
+        for agent in self.agents:
+            terminate_tree(agent.proc.pid if agent.proc.poll() is None else None, known, grace=2.0)
+            if agent.proc.poll() is None:
+                agent.proc.kill()
+                agent.proc.wait()
+            agent.rc = agent.proc.returncode if agent.rc is None else agent.rc
+        # Anything else still below us (should be nothing) goes too.
+        terminate_tree(None, descendants(os.getpid()) if self.etcd is None else
+                       [p for p in descendants(os.getpid()) if p != self.etcd.pid], grace=2.0)
+        if self.etcd is not None:
+            self.etcd.stop()
+            self.events.emit("launcher.etcd_stopped")
+
+    def _exit_code(self) -> int:
+        if self._stop_signal is not None:
+            return 128 + self._stop_signal
+        codes = [a.rc for a in self.agents]
+        if all(c == 0 for c in codes):
+            return 0
+        nonzero = [c for c in codes if c not in (0, None)]
+        return nonzero[0] if nonzero else 1
+
+    # -- report ---------------------------------------------------------------
+    def summarize(self, wall_s: float) -> dict:
+        events = read_run_events(self.run_dir)
+        steps = [e for e in events if e["kind"] == "trainer.step"]
+        restarts = [e for e in events if e["kind"] == "agent.restart"]
+        failures = [e for e in events if e["kind"] == "agent.state" and e.get("state") == "FAILED"]
+        commits = [e for e in events if e["kind"] == "checkpoint.committed" and e["source"] == "trainer/rank0"]
+        checksum_file = self.run_dir / "final_checksum.txt"
+        return {
+            "run_id": self.cfg.run.id,
+            "run_dir": str(self.run_dir),
+            "nodes": {a.node_id: a.rc for a in self.agents},
+            "wall_s": round(wall_s, 2),
+            "steps_target": self.cfg.trainer.steps,
+            "last_step": max((e["step"] for e in steps), default=0),
+            "step_events": len(steps),
+            "failures": [{"node": e["source"], "failure_kind": e.get("failure_kind"), "rc": e.get("rc")} for e in failures],
+            "restarts": len(restarts),
+            "restarts_counted": sum(1 for e in restarts if e.get("counted")),
+            "checkpoints_committed": sorted({e["step"] for e in commits}),
+            "final_checksum": checksum_file.read_text().strip() if checksum_file.exists() else None,
+            "interrupted_by_signal": self._stop_signal,
+        }
+
+
+def format_summary(summary: dict) -> str:
+    lines = [
+        f"run {summary['run_id']}: {summary['last_step']}/{summary['steps_target']} steps "
+        f"in {summary['wall_s']:.1f}s, {summary['restarts']} restarts "
+        f"({summary['restarts_counted']} counted failures)",
+        "nodes: " + ", ".join(f"{n}=rc{rc}" for n, rc in summary["nodes"].items()),
+        f"checkpoints: {summary['checkpoints_committed']}",
+        f"final checksum: {summary['final_checksum']}",
+        f"run dir: {summary['run_dir']}",
+    ]
+    return "\n".join(lines)
