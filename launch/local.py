@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -88,6 +89,7 @@ class Launcher:
         previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
             self.run_dir.mkdir(parents=True, exist_ok=True)
+            self._archive_previous()
             self.cfg.fingerprint = self.cfg.compute_fingerprint()
             config_path = self.run_dir / "config.resolved.yaml"
             dump_config(self.cfg, config_path)
@@ -104,6 +106,28 @@ class Launcher:
         summary = self.summarize(time.time() - started)
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         return LaunchResult(self._exit_code(), summary)
+
+    def _archive_previous(self) -> None:
+        """A relaunch in the same run dir resumes from its checkpoints but starts fresh logs.
+
+        Event logs and torchrun logs of the previous launch move to history/<n>/ so that
+        this launch's summary counts only its own events; a local launch also starts a
+        fresh embedded etcd (epochs and leases of a dead launch mean nothing now).
+        """
+        old = [self.run_dir / name for name in ("events", "torchrun", "logs", "summary.json")
+               if (self.run_dir / name).exists()]
+        if old:
+            history = self.run_dir / "history"
+            history.mkdir(exist_ok=True)
+            dest = history / str(len(list(history.iterdir())))
+            dest.mkdir()
+            for path in old:
+                path.rename(dest / path.name)
+        if not self.cfg.launch.etcd_endpoint:
+            shutil.rmtree(self.run_dir / "etcd", ignore_errors=True)
+        # The events log was opened before archiving; reopen it at the fresh path.
+        self.events.close()
+        self.events = EventLog(self.run_dir / "events" / "launcher.jsonl", "launcher")
 
     def _wait_agents(self) -> None:
         while any(a.rc is None for a in self.agents):
