@@ -278,6 +278,9 @@ class NodeAgent:
             "ELASTIC_AGENT_ADDR": "127.0.0.1:%d" % self._sock.getsockname()[1],
             "ELASTIC_NODE_ID": self.spec.node_id,
             "ELASTIC_RUN_ID": self.spec.run_id,
+            # Workers publish checkpoint commits to etcd themselves (elastic.checkpoint).
+            "ELASTIC_ETCD_ENDPOINT": self.spec.endpoint,
+            "ELASTIC_RUN_PREFIX": self.prefix,
             "ELASTIC_EPOCH": str(epoch),
             "ELASTIC_PG_TIMEOUT": str(self.config.pg_timeout_s),
         })

@@ -26,6 +26,12 @@ from typing import Any
 from elastic.procs import set_parent_death_signal
 
 AGENT_ADDR_ENV = "ELASTIC_AGENT_ADDR"
+ETCD_ENDPOINT_ENV = "ELASTIC_ETCD_ENDPOINT"
+RUN_PREFIX_ENV = "ELASTIC_RUN_PREFIX"
+
+# A worker that stops because of bad numerics (NaN/Inf, loss spike) exits with this code
+# after report_numerics(), so its agent can roll back instead of plainly restarting.
+EXIT_NUMERICS = 87
 PG_TIMEOUT_ENV = "ELASTIC_PG_TIMEOUT"
 
 
