@@ -22,6 +22,9 @@ from pathlib import Path
 from typing import Any
 
 
+_RESERVED = frozenset({"ts", "mono", "kind", "source", "pid"})
+
+
 class EventLog:
     """Append-only JSONL event writer.
 
@@ -44,6 +47,8 @@ class EventLog:
         return self._path
 
     def emit(self, kind: str, **fields: Any) -> dict[str, Any]:
+        if fields.keys() & _RESERVED:
+            raise ValueError(f"event fields {sorted(fields.keys() & _RESERVED)} are reserved")
         event = {
             "ts": time.time(),
             "mono": time.monotonic(),

@@ -59,7 +59,7 @@ class Launcher:
             return self.cfg.launch.etcd_endpoint
         self.etcd = EmbeddedEtcd(data_dir=self.run_dir / "etcd", log_path=self.run_dir / "logs" / "etcd.log")
         endpoint = self.etcd.start(parent_death_signal=signal.SIGTERM)
-        self.events.emit("launcher.etcd_started", endpoint=endpoint, pid=self.etcd.pid)
+        self.events.emit("launcher.etcd_started", endpoint=endpoint, etcd_pid=self.etcd.pid)
         return endpoint
 
     def node_ids(self) -> list[str]:
@@ -77,7 +77,7 @@ class Launcher:
             # agents in order instead of every process receiving SIGINT at once.
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                     preexec_fn=child_preexec(signal.SIGTERM))
-        self.events.emit("launcher.agent_started", node=node_id, pid=proc.pid)
+        self.events.emit("launcher.agent_started", node=node_id, agent_pid=proc.pid)
         return AgentProc(node_id, proc, log_path)
 
     # -- run ------------------------------------------------------------------

@@ -138,6 +138,7 @@ def train(cfg_file: _TrainerFile, run_dir: Path) -> str:
     loaded = manager.load_latest({"app": app})
     start = app.step if loaded else 0
     events.emit("trainer.start", step=start, world_size=world, resumed=loaded is not None,
+                node=os.environ.get("ELASTIC_NODE_ID"),
                 restart_count=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)))
     loss_fn = nn.MSELoss()
     for step in range(start + 1, cfg.steps + 1):

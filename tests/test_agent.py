@@ -1,0 +1,50 @@
+"""Node agent: exclusion refused before anything starts; exclusion records expire."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+from elastic.agent import EXIT_EXCLUDED, Exclusions
+from elastic.events import read_run_events
+from elastic.naming import run_prefix
+from elastic.store import EtcdStore
+from tests.launch_helpers import write_run_config
+
+
+def test_excluded_node_refuses_to_start(etcd_endpoint, tmp_path, subprocess_env):
+    config = write_run_config(tmp_path, nodes="1", run_id="excl")
+    run_dir = tmp_path / "run"
+    store = EtcdStore(etcd_endpoint)
+    Exclusions(store, run_prefix("/elastic", "excl")).add("node7", "ECC uncorrected errors", ttl_s=600, by="test")
+    proc = subprocess.run(
+        [sys.executable, "-m", "elastic.agent", "--run-id", "excl", "--node-id", "node7",
+         "--etcd-endpoint", etcd_endpoint, "--run-dir", str(run_dir), "--config", str(config)],
+        env=subprocess_env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == EXIT_EXCLUDED, proc.stderr
+    assert "excluded" in proc.stderr and "ECC uncorrected errors" in proc.stderr
+    states = [e["state"] for e in read_run_events(run_dir) if e["kind"] == "agent.state"]
+    assert states == ["EXCLUDED"]
+    assert not (run_dir / "torchrun").exists()  # torchrun was never started
+    assert store.get(f"{run_prefix('/elastic', 'excl')}/nodes/node7") is None  # never registered
+
+
+def test_exclusions_expire_and_clear(etcd_endpoint):
+    ex = Exclusions(EtcdStore(etcd_endpoint), "/elastic/runs/r")
+    ex.add("a", "straggler", ttl_s=0.5)
+    ex.add("b", "lemon")
+    assert set(ex.all()) == {"a", "b"}
+    assert ex.get("a")["reason"] == "straggler"
+    time.sleep(0.7)
+    assert ex.get("a") is None and set(ex.all()) == {"b"}
+    ex.clear("b")
+    assert ex.all() == {}
+
+
+def test_unreadable_exclusion_record_still_excludes(etcd_endpoint):
+    store = EtcdStore(etcd_endpoint)
+    store.put("/elastic/runs/r/excluded/x", b"{not json")
+    assert Exclusions(store, "/elastic/runs/r").get("x") == {"reason": "unreadable exclusion record", "until": None}
+    assert json.loads(json.dumps(Exclusions(store, "/elastic/runs/r").all()))
