@@ -5,7 +5,6 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
-import time
 from datetime import timedelta
 from importlib.metadata import entry_points
 from pathlib import Path
