@@ -72,12 +72,13 @@ def override(cfg: T, dotted: str, raw: Any) -> T:
     data = to_dict(cfg)
     node = data
     parts = dotted.split(".")
-    for part in parts[:-1]:
-        if not isinstance(node, dict) or part not in node:
-            raise ConfigError(dotted, "unknown key")
-        node = node[part]
-    if not isinstance(node, dict) or parts[-1] not in node:
-        raise ConfigError(dotted, "unknown key")
+    for i, part in enumerate(parts[:-1]):
+        if not isinstance(node, dict):
+            raise ConfigError(".".join(parts[:i]), "is not a section")
+        node = node.setdefault(part, {})
+    if not isinstance(node, dict):
+        raise ConfigError(".".join(parts[:-1]), "is not a section")
+    # Unknown keys are then refused by from_dict, with the list of known keys.
     node[parts[-1]] = raw
     return from_dict(type(cfg), data)
 
