@@ -1,0 +1,159 @@
+"""In-worker fault hooks: the seam through which chaos reaches inside a training step.
+
+A fault is a small JSON file under ``<run_dir>/faults/`` (the run directory is
+shared by all simulated nodes in local mode; in cluster mode the chaos tool
+writes the same files on the target node)::
+
+    {"kind": "nan_loss",  "rank": 1, "step": 12}
+    {"kind": "straggle",  "rank": 0, "from_step": 5, "to_step": 30, "delay_s": 0.5}
+    {"kind": "hang",      "rank": 2, "step": 8}            # SIGSTOP itself at that step
+    {"kind": "exit",      "rank": 1, "step": 9, "code": 1}  # die with an exit code (crash)
+    {"kind": "ckpt_write_error", "step": 10}               # the checkpoint writer raises ENOSPC
+
+``rank`` may be omitted (every rank) or be a list. A fault with ``"once": true``
+(the default for nan_loss, hang and exit) fires once per run: the firing rank
+renames the file to ``*.fired`` so that the replay after a restart or rollback
+runs clean, which is what a transient fault looks like.
+
+Trainers call :meth:`FaultHooks.before_step` and :meth:`FaultHooks.loss` each
+step; without a faults directory every call is a cheap no-op (one stat per
+``poll_s``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+FAULTS_DIR = "faults"
+ONCE_BY_DEFAULT = {"nan_loss": True, "hang": True, "exit": True, "ckpt_write_error": True, "straggle": False}
+KINDS = frozenset(ONCE_BY_DEFAULT)
+
+
+class FaultSpecError(ValueError):
+    """A fault file is malformed; names the file and the field."""
+
+
+@dataclass
+class Fault:
+    path: Path
+    kind: str
+    spec: dict[str, Any]
+
+    def targets(self, rank: int) -> bool:
+        want = self.spec.get("rank")
+        if want is None:
+            return True
+        return rank in want if isinstance(want, list) else rank == int(want)
+
+    def active_at(self, step: int) -> bool:
+        if "step" in self.spec:
+            return step == int(self.spec["step"])
+        lo = int(self.spec.get("from_step", 0))
+        hi = int(self.spec.get("to_step", 1 << 62))
+        return lo <= step <= hi
+
+    @property
+    def once(self) -> bool:
+        return bool(self.spec.get("once", ONCE_BY_DEFAULT[self.kind]))
+
+
+def write_fault(run_dir: str | os.PathLike[str], name: str, spec: dict[str, Any]) -> Path:
+    """Install a fault (atomically, so a worker never reads half a file)."""
+    if spec.get("kind") not in KINDS:
+        raise FaultSpecError(f"{name}: kind must be one of {sorted(KINDS)}, got {spec.get('kind')!r}")
+    directory = Path(run_dir) / FAULTS_DIR
+    directory.mkdir(parents=True, exist_ok=True)
+    tmp = directory / f".{name}.tmp"
+    tmp.write_text(json.dumps(spec))
+    final = directory / f"{name}.json"
+    tmp.rename(final)
+    return final
+
+
+def load_faults(run_dir: str | os.PathLike[str]) -> list[Fault]:
+    directory = Path(run_dir) / FAULTS_DIR
+    faults = []
+    if not directory.is_dir():
+        return faults
+    for path in sorted(directory.glob("*.json")):
+        try:
+            spec = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue  # being replaced or already consumed by another rank
+        kind = spec.get("kind")
+        if kind not in KINDS:
+            raise FaultSpecError(f"{path.name}: kind must be one of {sorted(KINDS)}, got {kind!r}")
+        faults.append(Fault(path, kind, spec))
+    return faults
+
+
+class FaultHooks:
+    """Per-worker view of the run's fault files."""
+
+    def __init__(self, run_dir: str | os.PathLike[str], rank: int, events=None, poll_s: float = 0.0) -> None:
+        self.run_dir = Path(run_dir)
+        self.rank = rank
+        self.events = events
+        self.poll_s = poll_s
+        self._cache: list[Fault] = []
+        self._next_poll = 0.0
+
+    def _faults(self) -> list[Fault]:
+        now = time.monotonic()
+        if now >= self._next_poll:
+            self._cache = load_faults(self.run_dir)
+            self._next_poll = now + self.poll_s
+        return self._cache
+
+    def _matching(self, kind: str, step: int) -> list[Fault]:
+        return [f for f in self._faults() if f.kind == kind and f.targets(self.rank) and f.active_at(step)]
+
+    def _fire(self, fault: Fault, step: int) -> None:
+        if self.events is not None:
+            self.events.emit("fault.fired", fault=fault.kind, step=step, rank=self.rank, file=fault.path.name)
+        if fault.once:
+            try:
+                fault.path.rename(fault.path.with_suffix(".fired"))
+            except OSError:
+                pass  # another rank consumed it first; it fires for us too this step
+            self._next_poll = 0.0
+
+    def before_step(self, step: int) -> None:
+        """Straggle, hang or crash at the start of ``step``."""
+        for fault in self._matching("straggle", step):
+            self._fire(fault, step)
+            time.sleep(float(fault.spec.get("delay_s", 0.5)))
+        for fault in self._matching("exit", step):
+            self._fire(fault, step)
+            os._exit(int(fault.spec.get("code", 1)))
+        for fault in self._matching("hang", step):
+            self._fire(fault, step)
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+    def loss(self, step: int, value: Any) -> Any:
+        """The loss, or NaN of the same type where a nan_loss fault says so."""
+        faults = self._matching("nan_loss", step)
+        if not faults:
+            return value
+        for fault in faults:
+            self._fire(fault, step)
+        try:
+            return value * math.nan  # a tensor stays a tensor, with its graph
+        except TypeError:
+            return math.nan
+
+    def checkpoint_write_error(self, step: int) -> OSError | None:
+        """An ENOSPC error to raise from the checkpoint write of ``step``, if a fault says so."""
+        for fault in self._matching("ckpt_write_error", step):
+            self._fire(fault, step)
+            import errno
+
+            return OSError(errno.ENOSPC, f"No space left on device (injected at step {step})")
+        return None
