@@ -226,6 +226,12 @@ class NodeAgent:
             return seen + 1
         return int(now.value) if now else 0
 
+    def _bump_quietly(self, epoch: int) -> None:
+        try:
+            self.bump_epoch(epoch)
+        except StoreError as exc:
+            self.events.emit("agent.store_error", op="bump_epoch", error=str(exc))
+
     # -- signals ------------------------------------------------------------------
     def request_stop(self, signum: int) -> None:
         self._stop_signal = signum
@@ -262,7 +268,8 @@ class NodeAgent:
                                   on_lost=lambda: self.events.emit("agent.lease_lost"))
         self._set_state(AgentState.REGISTERED)
         self._leader = LeaderLoop(self.store, self.prefix, self.spec.node_id, self.config.leader,
-                                  ClusterPolicy(self.config.leader, self._exclude_other, self.events), self.events)
+                                  ClusterPolicy(self.config.leader, self._exclude_other, self.events), self.events,
+                                  is_excluded=lambda node: self.exclusions.get(node) is not None)
         self._leader.start()
         self._join_running_run()
         while not self._stop.is_set():
@@ -283,7 +290,6 @@ class NodeAgent:
                 return EXIT_FAILURE
             if result.outcome == "excluded":
                 record = self.exclusions.get(self.spec.node_id) or {}
-                self.bump_epoch(epoch)  # the others re-form without this node
                 return self._leave_excluded(record.get("reason"), record.get("until"))
             code = self._after_failure(result, epoch)
             if code is not None:
@@ -299,11 +305,19 @@ class NodeAgent:
             return self._no_progress_guard()
         kind, detail = (result.kind, result.detail) if result.kind else self._classify(result)
         counted = kind not in UNCOUNTED
+        action = self.config.failure.action(kind.value)
+        if action == "rollback":
+            verdict, why = self._rollback(result.numerics_step, detail, epoch)
+            if verdict == "stop":
+                self._set_state(AgentState.FAILED, rc=result.rc, failure_kind=kind.value, detail=detail,
+                                failures=self.failures, epoch=epoch, action="stop")
+                return self._stop_run(why, epoch)
+            if verdict == "duplicate":
+                counted = False  # one NaN, reported by every node: count it once
         if counted:
             self.failures += 1
             self._put_quietly(self._key(f"failures/{self.spec.node_id}/{int(time.time() * 1000)}"),
                               {"ts": time.time(), "kind": kind.value, "epoch": epoch}, "record_failure")
-        action = self.config.failure.action(kind.value)
         self._set_state(AgentState.FAILED, rc=result.rc, failure_kind=kind.value, detail=detail,
                         failures=self.failures, epoch=epoch, action=action)
         if action == "stop":
@@ -311,10 +325,6 @@ class NodeAgent:
         if action == "exclude":
             return self._exclude_self(f"{kind.value}: {detail}", self.config.failure.exclusion_ttl_s,
                                       by="policy", epoch=epoch)
-        if action == "rollback":
-            code = self._rollback(result.numerics_step, detail, epoch)
-            if code is not None:
-                return code
         if action == "rescreen" and self.config.preflight.enabled:
             passed, reason = self.screen(f"after {kind.value}")
             if not passed:
@@ -382,26 +392,41 @@ class NodeAgent:
                 return
 
     # -- rollback after bad numerics ----------------------------------------------------
-    def _rollback(self, bad_step: int | None, detail: str, epoch: int) -> int | None:
-        """Record the bad step range to skip; the restart then resumes from the last commit."""
-        record = self._get_json("numerics") or {"skip": [], "rollbacks": 0}
-        skip = [tuple(r) for r in record.get("skip", [])]
+    def _rollback(self, bad_step: int | None, detail: str, epoch: int) -> tuple[str, str]:
+        """Record the bad step range to skip; the restart then resumes from the last commit.
+
+        Returns ("rollback" | "duplicate" | "stop", reason).  Every rank of a synchronous job
+        sees the same NaN, so several agents report one failure: the range is written with a
+        compare-and-swap, and an agent finding its step already recorded *for this epoch* is
+        looking at the same failure.  The same step failing in a later epoch is a repeat.
+        """
         if bad_step is None:
-            return self._stop_run(f"numerics failure without a step ({detail})", epoch)
-        if any(lo <= bad_step <= hi for lo, hi in skip):
-            return self._stop_run(f"numerics failure repeats at step {bad_step} after skipping it", epoch)
-        if record.get("rollbacks", 0) >= self.config.failure.max_rollbacks:
-            return self._stop_run(f"numerics: {record.get('rollbacks')} rollbacks already "
-                                  f"(max_rollbacks={self.config.failure.max_rollbacks})", epoch)
-        skip.append((max(1, bad_step - self.config.failure.skip_before), bad_step))
-        record = {"skip": sorted(skip), "rollbacks": record.get("rollbacks", 0) + 1, "last": detail}
-        self._put_quietly(self._key("numerics"), record, "numerics")
-        self.events.emit("agent.rollback", bad_step=bad_step, skip=record["skip"], rollbacks=record["rollbacks"])
-        return None
+            return "stop", f"numerics failure without a step ({detail})"
+        key = self._key("numerics")
+        while True:
+            kv = self.store.get(key)
+            record = json.loads(kv.value) if kv else {"ranges": [], "rollbacks": 0}
+            for r in record["ranges"]:
+                if r["lo"] <= bad_step <= r["hi"]:
+                    if r["epoch"] == epoch:
+                        return "duplicate", f"step {bad_step} already rolled back by {r['by']}"
+                    return "stop", f"numerics failure repeats at step {bad_step} after skipping it"
+            if record["rollbacks"] >= self.config.failure.max_rollbacks:
+                return "stop", (f"numerics: {record['rollbacks']} rollbacks already "
+                                f"(max_rollbacks={self.config.failure.max_rollbacks})")
+            lo = max(1, bad_step - self.config.failure.skip_before)
+            record["ranges"].append({"lo": lo, "hi": bad_step, "epoch": epoch, "by": self.spec.node_id})
+            record["rollbacks"] += 1
+            ok, _ = self.store.compare_and_swap(key, json.dumps(record), kv.mod_revision if kv else 0)
+            if ok:
+                skip = [[r["lo"], r["hi"]] for r in record["ranges"]]
+                self.events.emit("agent.rollback", bad_step=bad_step, skip=skip, rollbacks=record["rollbacks"],
+                                 detail=detail)
+                return "rollback", ""
 
     def _skip_steps_env(self) -> str:
         record = self._get_json("numerics") or {}
-        return ",".join(f"{lo}-{hi}" for lo, hi in record.get("skip", []))
+        return ",".join(f"{r['lo']}-{r['hi']}" for r in record.get("ranges", []))
 
     # -- pre-flight screen ----------------------------------------------------------------
     def screen(self, why: str) -> tuple[bool, str]:
@@ -525,6 +550,9 @@ class NodeAgent:
                         Silence.INIT: FailureKind.INIT_TIMEOUT}[verdict]
                 self.events.emit("agent.hang_detected", verdict=verdict.value, detail=detail, epoch=epoch,
                                  silent_s=round(self.monitor.silent_for(), 3))
+                # Tell the peers first: they are blocked behind this hang and should not each
+                # wait out their own stall timeout while this node tears its workers down.
+                self._bump_quietly(epoch)
                 self._stop_workers(f"{kind.value}: {detail}")
                 return Attempt("failed", None, kind=kind, detail=detail, attempt_dir=attempt_dir)
             self._wait_for_reports(self.config.monitor_interval_s)
@@ -537,6 +565,8 @@ class NodeAgent:
             if first:
                 self.events.emit("agent.first_step", step=report.get("step"), epoch=epoch,
                                  attempt=self.attempt, since_start_s=time.monotonic() - started)
+        elif kind == "done":
+            self.monitor.observe(report)
         elif kind == "commit":
             step = int(report.get("step", -1))
             if step > self.last_commit:
@@ -564,6 +594,7 @@ class NodeAgent:
             return Attempt("run_stopped")
         if excluded is not None:
             self.events.emit("agent.excluded_seen", reason=excluded.get("reason"), by=excluded.get("by"))
+            self._bump_quietly(epoch)  # the others re-form without this node right away
             self._stop_workers("excluded")
             return Attempt("excluded")
         if current > epoch:

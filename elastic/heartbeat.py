@@ -73,9 +73,12 @@ class HeartbeatMonitor:
         self.started = clock()
         self.ranks: dict[int, RankView] = {}
         self.first_step_at: float | None = None
+        self.finished = False  # the trainer said it is done: silence from here on is shutdown
         self._cpu_at_silence: dict[int, float] = {}
 
     def observe(self, report: dict) -> None:
+        if report.get("type") == "done":
+            self.finished = True
         if report.get("type") != "step":
             return
         rank = int(report.get("rank", -1))
@@ -104,6 +107,8 @@ class HeartbeatMonitor:
         return now - min(v.last_seen for v in self.ranks.values())
 
     def check(self) -> tuple[Silence, str]:
+        if self.finished:
+            return Silence.NONE, ""
         silent = self.silent_for()
         if self.first_step_at is None:
             if silent > self.config.init_timeout_s:

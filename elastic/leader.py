@@ -86,6 +86,8 @@ class ClusterPolicy:
         self.events = events
         self._slow_streak: dict[str, int] = {}
         self._flagged: set[str] = set()
+        self.excluded_by_policy: set[str] = set()
+        self._judged_since: dict[str, float] = {}  # a returning node's old failures are forgiven
 
     def evaluate_stragglers(self, heartbeats: dict[str, dict]) -> list[str]:
         """Nodes that are stragglers now (after enough consecutive slow evaluations)."""
@@ -109,6 +111,7 @@ class ClusterPolicy:
                     self.events.emit("leader.straggler", node=node, busy_time=value, reference=reference,
                                      action=self.config.straggler_action)
                     if self.config.straggler_action == "exclude":
+                        self.excluded_by_policy.add(node)
                         self.exclude(node, reason, self.config.exclusion_ttl_s)
         return stragglers
 
@@ -118,13 +121,15 @@ class ClusterPolicy:
         now = time.time() if now is None else now
         lemons = []
         for node, stamps in failures.items():
-            recent = [t for t in stamps if now - t <= self.config.lemon_window_s]
+            since = self._judged_since.get(node, 0.0)
+            recent = [t for t in stamps if now - t <= self.config.lemon_window_s and t > since]
             if len(recent) >= self.config.lemon_failures:
                 lemons.append(node)
                 if node not in self._flagged:
                     self._flagged.add(node)
                     reason = (f"lemon node: {len(recent)} failures within {self.config.lemon_window_s:g}s")
                     self.events.emit("leader.lemon", node=node, failures=len(recent))
+                    self.excluded_by_policy.add(node)
                     self.exclude(node, reason, self.config.exclusion_ttl_s)
         return lemons
 
@@ -132,13 +137,16 @@ class ClusterPolicy:
         """A node came back (exclusion expired or cleared): judge it afresh."""
         self._flagged.discard(node)
         self._slow_streak.pop(node, None)
+        self.excluded_by_policy.discard(node)
+        self._judged_since[node] = time.time()
 
 
 class LeaderLoop:
     """Background thread of every agent: campaign, and run the policy while leader."""
 
     def __init__(self, store: EtcdStore, prefix: str, node_id: str, config: LeaderConfig,
-                 policy: ClusterPolicy, events: EventLog) -> None:
+                 policy: ClusterPolicy, events: EventLog, is_excluded: Callable[[str], bool]) -> None:
+        self.is_excluded = is_excluded
         self.store = store
         self.prefix = prefix
         self.config = config
@@ -172,6 +180,9 @@ class LeaderLoop:
             self.is_leader = leader
             if leader:
                 try:
+                    for node in list(self.policy.excluded_by_policy):
+                        if not self.is_excluded(node):  # expired or cleared: the node may return
+                            self.policy.forget(node)
                     self.policy.evaluate_stragglers(self.read_heartbeats())
                     self.policy.evaluate_lemons(self.read_failures())
                 except StoreError as exc:

@@ -108,5 +108,9 @@ class WorkerContext:
     def report_commit(self, step: int) -> None:
         self._send({"type": "commit", "step": step})
 
+    def report_done(self, step: int) -> None:
+        """Training finished: what follows (final barrier, teardown) is not a hang."""
+        self._send({"type": "done", "step": step})
+
     def report_numerics(self, step: int, reason: str) -> None:
         self._send({"type": "numerics", "step": step, "reason": reason})

@@ -186,6 +186,7 @@ def train(cfg_file: _TrainerFile, run_dir: Path) -> str:
             manager.save(step, {"app": app})
             worker.report_commit(step)
 
+    worker.report_done(cfg.steps)
     checksum = param_checksum(model)
     if rank == 0:
         (run_dir / "final_checksum.txt").write_text(checksum + "\n")
