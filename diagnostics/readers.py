@@ -485,9 +485,19 @@ class InjectedReader:
         return merged
 
 
-def load_injection(path: str | os.PathLike[str]) -> dict[str, Any]:
+def load_injection(path: str | os.PathLike[str], _seen: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Read an injection file.
+
+    Top-level keys starting with ``x-`` are ignored (holders for YAML anchors).
+    ``include: other.yaml`` (or a list), relative to the file, is loaded first and
+    this file's sections are merged over it, so a fault file can say "the healthy
+    node, except GPU 3 has a pending row remap".
+    """
+    path = Path(path)
+    if str(path.resolve()) in _seen:
+        raise InjectionError(f"{path}: include cycle")
     try:
-        text = Path(path).read_text()
+        text = path.read_text()
     except OSError as exc:
         raise InjectionError(f"{path}: cannot read injection file: {exc.strerror or exc}") from None
     try:
@@ -498,10 +508,29 @@ def load_injection(path: str | os.PathLike[str]) -> dict[str, Any]:
         return {}
     if not isinstance(data, dict):
         raise InjectionError(f"{path}: expected a mapping at top level")
-    return data
+    data = {k: v for k, v in data.items() if not str(k).startswith("x-")}
+    includes = data.pop("include", None)
+    if includes is None:
+        return data
+    merged: dict[str, Any] = {}
+    for inc in [includes] if isinstance(includes, str) else list(includes):
+        if not isinstance(inc, str):
+            raise InjectionError(f"{path}: include: expected a file name or a list of them")
+        _merge(merged, load_injection(path.parent / inc, _seen + (str(path.resolve()),)))
+    _merge(merged, data)
+    return merged
+
+
+def _merge(into: dict[Any, Any], over: Mapping[Any, Any]) -> None:
+    for key, value in over.items():
+        if isinstance(value, Mapping) and isinstance(into.get(key), dict):
+            _merge(into[key], value)
+        else:
+            into[key] = copy.deepcopy(value)
 
 
 def _validate(inj: dict[str, Any], source: str) -> dict[str, Any]:
+    inj = {k: v for k, v in inj.items() if not str(k).startswith("x-")}
     unknown = sorted(set(map(str, inj)) - _TOP_KEYS)
     if unknown:
         raise InjectionError(f"{source}: {unknown[0]}: unknown key (known: {', '.join(sorted(_TOP_KEYS))})")
