@@ -25,6 +25,8 @@ from diagnostics.report import Report
 from diagnostics.thresholds import Thresholds, load_thresholds
 
 MODES = ("quick", "full")
+#: How long NVML is listened to for Xid events during a screen (the kernel log covers earlier ones).
+XID_WINDOW_S = {"quick": 0.1, "full": 5.0}
 
 
 def run_screen(
@@ -48,7 +50,7 @@ def run_screen(
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     thresholds = config if isinstance(config, Thresholds) else load_thresholds(config)
     if reader is None:
-        reader = default_reader(inject)
+        reader = default_reader(inject, xid_window_s=XID_WINDOW_S[mode])
     elif inject is not None:
         reader = InjectedReader.from_file(reader, inject) if not isinstance(inject, Mapping) else InjectedReader(reader, inject)
     names = [registry.resolve(n) for n in checks] if checks is not None else registry.all_names()

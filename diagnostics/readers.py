@@ -42,6 +42,8 @@ from __future__ import annotations
 
 import copy
 import os
+import re
+import subprocess
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -60,7 +62,7 @@ GPU_FIELDS = (
     "sm_clock_mhz", "mem_clock_mhz", "sm_clock_max_mhz", "mem_clock_max_mhz",
     "throttle_reasons", "temperature_c", "power_w", "power_limit_w",
     "pcie_link_width", "pcie_link_width_max", "pcie_link_gen", "pcie_link_gen_max",
-    "xid_events", "recovery_action", "nvlink",
+    "xid_events", "xid_kernel_log", "recovery_action", "nvlink",
 )
 #: Keys of one NVLink reading (``gpu["nvlink"]`` is a list of these).
 NVLINK_FIELDS = ("link", "state", "replay_errors", "recovery_errors", "crc_errors")
@@ -123,15 +125,25 @@ class HardwareReader(Protocol):
 class NvmlReader:
     """GPU readings via pynvml.
 
-    ``xid_window_s`` is how long :meth:`gpus` listens on an NVML event set for
-    Xid events.  NVML only delivers events that arrive while registered, so this
-    sees Xids raised *during* the screen, not ones logged earlier (those are in
-    the kernel log as ``NVRM: Xid``, which this reader does not parse).
+    Xid events come from two places, merged per device:
+
+    * an NVML event set, listened to for ``xid_window_s`` -- NVML only delivers
+      events that arrive while registered, so this sees Xids raised *during* the
+      screen;
+    * the kernel log since boot (``NVRM: Xid (PCI:<bus id>): <xid>, ...`` lines),
+      read with ``dmesg`` when the host allows it (``kernel.dmesg_restrict=1``
+      needs CAP_SYSLOG).  Each reading's ``xid_kernel_log`` is False when the log
+      could not be read, so a missing log is visible rather than a silent pass.
+
+    Readings are taken once per reader and cached: a screen is one snapshot.
     """
 
-    def __init__(self, xid_window_s: float = 0.0) -> None:
+    def __init__(self, xid_window_s: float = 0.0, kernel_log: bool = True) -> None:
         self.xid_window_s = xid_window_s
+        self.kernel_log = kernel_log
+        self.kernel_log_read: bool | None = None
         self._nvml: Any = None
+        self._cache: list[dict[str, Any]] | None = None
 
     def _init(self) -> Any:
         if self._nvml is not None:
@@ -166,6 +178,8 @@ class NvmlReader:
         return {}
 
     def gpus(self) -> list[dict[str, Any]]:
+        if self._cache is not None:
+            return copy.deepcopy(self._cache)
         nv = self._init()
         try:
             count = nv.nvmlDeviceGetCount()
@@ -174,9 +188,17 @@ class NvmlReader:
         handles = [nv.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
         devices = [self._device(nv, i, h) for i, h in enumerate(handles)]
         xids = self._listen_xids(nv, handles)
+        logged: dict[str, list[int]] = {}
+        if self.kernel_log:
+            text = read_kernel_log()
+            self.kernel_log_read = text is not None
+            logged = kernel_log_xids(text or "")
         for dev in devices:
-            dev["xid_events"] = xids.get(dev["index"], [])
-        return devices
+            from_log = logged.get(_norm_bus_id(dev.get("pci_bus_id")), [])
+            dev["xid_events"] = sorted(set(xids.get(dev["index"], [])) | set(from_log))
+            dev["xid_kernel_log"] = self.kernel_log_read
+        self._cache = devices
+        return copy.deepcopy(devices)
 
     def _device(self, nv: Any, index: int, h: Any) -> dict[str, Any]:
         d: dict[str, Any] = dict.fromkeys(GPU_FIELDS)
@@ -292,6 +314,36 @@ class NvmlReader:
         finally:
             nv.nvmlEventSetFree(event_set)
         return out
+
+
+_XID_LINE = re.compile(r"NVRM: Xid \(PCI:([0-9A-Fa-f:.]+)\): (\d+)")
+
+
+def read_kernel_log(timeout_s: float = 2.0) -> str | None:
+    """The kernel ring buffer via ``dmesg``, or None when it cannot be read."""
+    try:
+        proc = subprocess.run(["dmesg"], capture_output=True, text=True, timeout=timeout_s, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return proc.stdout if proc.returncode == 0 else None
+
+
+def kernel_log_xids(text: str) -> dict[str, list[int]]:
+    """``NVRM: Xid (PCI:0000:18:00): 79, ...`` lines -> {normalised PCI bus id: sorted Xids}."""
+    out: dict[str, set[int]] = {}
+    for match in _XID_LINE.finditer(text):
+        out.setdefault(_norm_bus_id(match.group(1)), set()).add(int(match.group(2)))
+    return {bus: sorted(x) for bus, x in out.items()}
+
+
+def _norm_bus_id(bus: str | None) -> str:
+    """NVML says ``00000000:18:00.0``, the kernel ``0000:18:00``: compare bus:device only."""
+    if not bus:
+        return ""
+    parts = bus.lower().split(":")
+    if len(parts) >= 2:
+        return f"{parts[-2]}:{parts[-1].split('.')[0]}"
+    return bus.lower()
 
 
 def _opt(nv: Any, fn: Any, *args: Any) -> Any:
@@ -591,9 +643,11 @@ def _check_fields(fields: Any, known: tuple[str, ...], where: str) -> None:
         raise InjectionError(f"{where}.{unknown[0]}: unknown reading (known: {', '.join(known)})")
 
 
-def default_reader(inject: str | os.PathLike[str] | Mapping[str, Any] | None = None) -> HardwareReader:
+def default_reader(
+    inject: str | os.PathLike[str] | Mapping[str, Any] | None = None, xid_window_s: float = 0.0
+) -> HardwareReader:
     """The host reader, overlaid with ``inject`` (a path or dict) or else ``$ELASTIC_DIAG_INJECT``."""
-    base: HardwareReader = HostReader()
+    base: HardwareReader = HostReader(nvml=NvmlReader(xid_window_s=xid_window_s))
     if inject is None:
         inject = os.environ.get(INJECT_ENV) or None
     if inject is None:

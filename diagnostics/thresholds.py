@@ -134,7 +134,7 @@ class GemmThresholds:
     warn_fraction: float = 0.7
     fail_fraction: float = 0.5
     #: Max |C - C_ref| / (|A| |B| row-col norm bound) per dtype; fp64 reference.
-    rtol: dict[str, float] = field(default_factory=lambda: {"fp32": 1e-5, "bf16": 2e-2, "fp8": 1.5e-1})
+    rtol: dict[str, float] = field(default_factory=lambda: {"fp32": 1e-5, "bf16": 2e-2, "fp8": 5e-2})
     quick_seconds: float = 0.15
     full_seconds: float = 10.0
 

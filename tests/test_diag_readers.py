@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
 from diagnostics.readers import (
+    GPU_FIELDS,
     INJECT_ENV,
     GpuUnavailable,
     HardwareReader,
@@ -16,6 +18,7 @@ from diagnostics.readers import (
     NvmlReader,
     SysfsReader,
     default_reader,
+    kernel_log_xids,
     load_injection,
     throttle_names,
 )
@@ -172,3 +175,116 @@ def test_env_var_selects_injection_file(tmp_path, monkeypatch):
     assert default_reader().knobs("gemm") == {"tflops_scale": 0.25}
     monkeypatch.delenv(INJECT_ENV)
     assert default_reader().knobs("gemm") == {}
+
+
+# -- NvmlReader against a faked NVML ---------------------------------------------------
+# The real pynvml module with its C-calling functions replaced (monkeypatch refuses names
+# that pynvml does not have, so this also pins the API names the reader relies on).
+
+
+def _fake_nvml(monkeypatch, count=2):
+    import types
+
+    import pynvml as nv
+
+    def not_supported(*_a):
+        raise nv.NVMLError(nv.NVML_ERROR_NOT_SUPPORTED)
+
+    events = [types.SimpleNamespace(device=1, eventData=79)]
+
+    def event_wait(_set, _ms):
+        if events:
+            return events.pop()
+        raise nv.NVMLError(nv.NVML_ERROR_TIMEOUT)
+
+    ecc = {(nv.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, nv.NVML_VOLATILE_ECC): 2,
+           (nv.NVML_MEMORY_ERROR_TYPE_CORRECTED, nv.NVML_VOLATILE_ECC): 5,
+           (nv.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, nv.NVML_AGGREGATE_ECC): 2,
+           (nv.NVML_MEMORY_ERROR_TYPE_CORRECTED, nv.NVML_AGGREGATE_ECC): 40}
+    fns = {
+        "nvmlInit": lambda: None,
+        "nvmlShutdown": lambda: None,
+        "nvmlSystemGetDriverVersion": lambda: "570.86.15",
+        "nvmlDeviceGetCount": lambda: count,
+        "nvmlDeviceGetHandleByIndex": lambda i: i,
+        "nvmlDeviceGetIndex": lambda h: h,
+        "nvmlDeviceGetName": lambda h: "NVIDIA H100 80GB HBM3",
+        "nvmlDeviceGetUUID": lambda h: f"GPU-{h}",
+        "nvmlDeviceGetPciInfo": lambda h: types.SimpleNamespace(busId=f"00000000:{0x18 + h:02X}:00.0"),
+        "nvmlDeviceGetMemoryInfo": lambda h: types.SimpleNamespace(total=80 << 30, used=3 << 20),
+        "nvmlDeviceGetEccMode": lambda h: [1, 1],
+        "nvmlDeviceGetTotalEccErrors": lambda h, kind, counter: ecc[(kind, counter)] if h == 1 else 0,
+        "nvmlDeviceGetRetiredPages": not_supported,  # H100 remaps rows instead
+        "nvmlDeviceGetRetiredPagesPendingStatus": not_supported,
+        "nvmlDeviceGetRemappedRows": lambda h: (0, 0, 1 if h == 1 else 0, 0),
+        "nvmlDeviceGetClockInfo": lambda h, clk: 1980 if clk == nv.NVML_CLOCK_SM else 2619,
+        "nvmlDeviceGetMaxClockInfo": lambda h, clk: 1980 if clk == nv.NVML_CLOCK_SM else 2619,
+        "nvmlDeviceGetCurrentClocksEventReasons": lambda h: 0x1 | (0x8 if h == 1 else 0),
+        "nvmlDeviceGetTemperature": lambda h, sensor: 33,
+        "nvmlDeviceGetPowerUsage": lambda h: 71500,
+        "nvmlDeviceGetEnforcedPowerLimit": lambda h: 700000,
+        "nvmlDeviceGetCurrPcieLinkWidth": lambda h: 16,
+        "nvmlDeviceGetMaxPcieLinkWidth": lambda h: 16,
+        "nvmlDeviceGetCurrPcieLinkGeneration": lambda h: 1,
+        "nvmlDeviceGetMaxPcieLinkGeneration": lambda h: 5,
+        "nvmlDeviceGetFieldValues": lambda h, ids: [
+            types.SimpleNamespace(nvmlReturn=0, value=types.SimpleNamespace(uiVal=2 if h == 1 else 0))],
+        "nvmlDeviceGetNvLinkState": lambda h, link: (link != 3) if link < 18 else not_supported(),
+        "nvmlDeviceGetNvLinkErrorCounter": lambda h, link, kind: 7 if (link, kind) == (2, nv.NVML_NVLINK_ERROR_DL_CRC_FLIT) else 0,
+        "nvmlEventSetCreate": lambda: "set",
+        "nvmlDeviceRegisterEvents": lambda h, kinds, s: None,
+        "nvmlEventSetWait": event_wait,
+        "nvmlEventSetFree": lambda s: None,
+    }
+    for name, fn in fns.items():
+        monkeypatch.setattr(nv, name, fn)
+    import diagnostics.readers as readers
+
+    monkeypatch.setattr(readers, "read_kernel_log", lambda: (
+        "[  12.1] NVRM: Xid (PCI:0000:18:00): 63, pid=1234, Row Remapper: New row marked for remapping\n"
+        "[  13.0] unrelated line\n"))
+
+
+def test_nvml_reader_maps_every_reading(monkeypatch):
+    _fake_nvml(monkeypatch)
+    reader = NvmlReader(xid_window_s=0.05)
+    devices = reader.gpus()
+    assert reader.driver_version() == "570.86.15"
+    assert [d["index"] for d in devices] == [0, 1]
+    d0, d1 = devices
+    assert set(d0) == set(GPU_FIELDS)
+    assert d0["name"] == "NVIDIA H100 80GB HBM3" and d0["pci_bus_id"] == "00000000:18:00.0"
+    assert d0["memory_total_mib"] == 80 * 1024 and d0["ecc_enabled"] is True
+    assert (d1["ecc_uncorrected_volatile"], d1["ecc_corrected_volatile"], d1["ecc_corrected_aggregate"]) == (2, 5, 40)
+    assert d0["retired_pages_sbe"] is None and d0["retired_pages_pending"] is None  # not supported -> None
+    assert d1["remap_pending"] == 1 and d0["remap_pending"] == 0
+    assert d1["throttle_reasons"] == ["gpu_idle", "hw_slowdown"]
+    assert d0["power_w"] == 71.5 and d0["power_limit_w"] == 700.0
+    assert (d0["pcie_link_width"], d0["pcie_link_gen"], d0["pcie_link_gen_max"]) == (16, 1, 5)
+    assert d0["recovery_action"] == "none" and d1["recovery_action"] == "node_reboot"
+    assert len(d0["nvlink"]) == 18 and d0["nvlink"][3]["state"] == "down" and d0["nvlink"][2]["crc_errors"] == 7
+    # Xid 79 arrived on the event set for GPU 1; Xid 63 is in the kernel log for bus 18 (GPU 0).
+    assert d1["xid_events"] == [79] and d0["xid_events"] == [63]
+    assert d0["xid_kernel_log"] is True
+
+
+def test_gpu_check_over_faked_nvml(monkeypatch):
+    from diagnostics.preflight import run_screen
+
+    _fake_nvml(monkeypatch)
+    report = run_screen(checks=["gpu", "nvlink"], reader=HostReader(nvml=NvmlReader(xid_window_s=0.05)))
+    gpu = report.check("gpu")
+    assert gpu.verdict == "fail"
+    for fragment in ("2 GPUs, expected 8", "gpu1: ECC uncorrected volatile 2 > 0", "gpu1: row remap pending",
+                     "hw_slowdown", "critical Xid 79", "recovery action node_reboot"):
+        assert fragment in json.dumps(gpu.details["findings"]) + gpu.reason, fragment
+    assert "warn: non-critical Xid 63" in gpu.details["findings"]["0"]
+    nvlink = report.check("nvlink")
+    assert nvlink.verdict == "fail" and "17/18 links up (down: 3)" in nvlink.reason
+
+
+def test_kernel_log_xid_parsing():
+    text = ("NVRM: Xid (PCI:0000:3b:00): 79, pid='<unknown>', GPU has fallen off the bus.\n"
+            "NVRM: Xid (PCI:0000:3b:00): 79, again\nNVRM: Xid (PCI:0000:5E:00): 13, Graphics Exception\n")
+    assert kernel_log_xids(text) == {"3b:00": [79], "5e:00": [13]}
+    assert kernel_log_xids("nothing here") == {}

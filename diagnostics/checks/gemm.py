@@ -90,14 +90,15 @@ def run_gemm(device: Any, dtype: str, n: int, seconds: float, corrupt: bool = Fa
     if corrupt:
         last = last.clone()
         last[0, 0] += 64.0 * n
-    rows = torch.linspace(0, n - 1, REFERENCE_ROWS).long()
-    # Reference from the rounded inputs, so only the product's own error is measured.
-    a_ref = a_in.to(torch.float32).to(torch.float64)[rows.to(device)].cpu()
-    b_ref = b_in.to(torch.float32).to(torch.float64).cpu()
+    rows = torch.linspace(0, n - 1, REFERENCE_ROWS).long().to(device)
+    # fp64 reference (on the device) from the rounded inputs, so only the product's own error counts.
+    a_ref = a_in.to(torch.float32)[rows].to(torch.float64)
+    b_ref = b_in.to(torch.float32).to(torch.float64)
     ref = a_ref @ b_ref
     bound = a_ref.abs() @ b_ref.abs()
-    got = last[rows.to(device)].to(torch.float64).cpu()
+    got = last[rows].to(torch.float64)
     rel_err = float(((got - ref).abs() / bound.clamp_min(1e-30)).max())
+    del b_ref
     consistent = bool(torch.equal(first, last))
     return {
         "n": n,

@@ -67,6 +67,8 @@ class GpuCheck(Check):
                 "expected_count": expected,
                 "model": model.match if model else None,
                 "driver_version": _driver(ctx),
+                # False: dmesg unreadable, so only Xids raised during the screen were seen.
+                "xid_kernel_log_read": devices[0].get("xid_kernel_log"),
                 "findings": per_device,
                 "devices": devices,
             },
