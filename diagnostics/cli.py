@@ -106,7 +106,8 @@ def main(argv: list[str] | None = None) -> int:
         source = "--inject" if args.inject else f"${INJECT_ENV}"
         print(f"diag: error: {source}: {exc}", file=sys.stderr)
         return EXIT_ERROR
-    print(report.table())
+    # With --json - the JSON owns stdout and the table goes to stderr.
+    print(report.table(), file=sys.stderr if args.json == "-" else sys.stdout)
     if args.json:
         text = report.to_json()
         if args.json == "-":

@@ -203,6 +203,15 @@ class IbThresholds:
     counters_warn: list[str] = field(default_factory=lambda: list(_IB_WARN))
     #: Counters that fail above a limit [choice].
     counters_fail: dict[str, int] = field(default_factory=lambda: {"link_downed": 10, "symbol_error": 10_000})
+    #: Full mode reads the counters twice, ``full_window_s`` apart; any increase of these fails
+    #: (errors accumulating on an idle link mean it is bad now, not at some point since boot).
+    full_window_s: float = 5.0
+    delta_fail: list[str] = field(default_factory=lambda: [
+        "symbol_error", "link_downed", "link_error_recovery", "port_rcv_errors", "local_link_integrity_errors"])
+
+    def __post_init__(self) -> None:
+        if self.full_window_s < 0:
+            raise ConfigError("full_window_s", "must be >= 0")
 
 
 @dataclass(kw_only=True, slots=True)

@@ -331,3 +331,34 @@ def test_etcd_unreachable_fails():
     t = load_thresholds({"etcd": {"timeout_s": 0.5}})
     r = run("etcd", etcd_endpoint=f"127.0.0.1:{port}", thresholds=t)
     assert r.verdict == "fail" and "unreachable" in r.reason
+
+
+class GrowingCounters(NoHardware):
+    """An IB port whose symbol_error counter rises between two reads (a link erroring right now)."""
+
+    def __init__(self):
+        self.reads = 0
+
+    def ib_ports(self):
+        self.reads += 1
+        return {"mlx5_0": {"1": {"state": "ACTIVE", "phys_state": "LinkUp", "rate_gbps": 400.0,
+                                 "counters": {"symbol_error": 3 * self.reads, "link_downed": 0}}}}
+
+
+def test_ib_full_mode_fails_on_counters_rising_during_window():
+    t = load_thresholds({"ib": {"full_window_s": 0.01}})
+    quick = run("ib", base=GrowingCounters(), thresholds=t)
+    assert quick.verdict == "warn" and "symbol_error=3" in quick.reason  # cumulative only
+    full = run("ib", base=GrowingCounters(), thresholds=t, mode="full")
+    assert full.verdict == "fail" and "mlx5_0/1 symbol_error +3" in full.reason
+    assert full.details["deltas"] == {"mlx5_0/1": {"symbol_error": 3}}
+
+
+class BrokenReader(NoHardware):
+    def ib_ports(self):
+        raise RuntimeError("sysfs exploded")
+
+
+def test_crashing_check_is_a_failure_not_a_crash():
+    r = run("ib", base=BrokenReader())
+    assert r.verdict == "fail" and r.reason == "check raised RuntimeError: sysfs exploded"

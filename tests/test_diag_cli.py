@@ -151,3 +151,10 @@ def test_exclusion_record_written_to_real_etcd(etcd_endpoint):
     assert exclude_if_failed(good, store, prefix, "node4", ttl_s=600) is False
     assert Exclusions(store, prefix).get("node4") is None
     assert json.loads(store.get(f"{prefix}/diag/node4").value)["verdict"] == "pass"
+
+
+def test_cli_json_to_stdout_keeps_table_on_stderr(capsys):
+    assert main(["gpu", "--inject", HEALTHY, "--json", "-"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["verdict"] == "pass"
+    assert "overall: PASS" in captured.err
