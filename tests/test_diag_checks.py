@@ -5,11 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from diagnostics import checks
 from diagnostics.checks import Context
 from diagnostics.checks.collective import allreduce_factor, busbw
 from diagnostics.checks.etcd import min_abs, skew_interval
+from diagnostics.checks.gemm import fp8_supported, run_gemm
 from diagnostics.checks.gpu import xid_class
 from diagnostics.readers import InjectedReader, SysfsReader, load_injection
 from diagnostics.thresholds import NON_CRITICAL_XIDS, Thresholds, load_thresholds
@@ -193,11 +195,21 @@ def test_gemm_really_runs_on_cpu_and_verifies():
     r = run("gemm")
     assert r.verdict == "pass", r.reason
     cpu = r.details["devices"]["cpu"]
-    for dtype in ("fp32", "bf16"):
+    dtypes = ("fp32", "bf16", "fp8") if fp8_supported(torch.device("cpu")) else ("fp32", "bf16")
+    for dtype in dtypes:
         assert cpu[dtype]["tflops"] > 0 and cpu[dtype]["iters"] >= 1
         assert cpu[dtype]["consistent"] is True
         assert cpu[dtype]["rel_err"] <= Thresholds().gemm.rtol[dtype]
-    assert cpu["fp8"] == "not supported on cpu"
+    assert set(r.value) == set(dtypes)
+
+
+def test_gemm_reference_check_catches_each_dtype():
+    # run_gemm directly: a perturbed element must exceed every dtype's tolerance.
+    rtol = Thresholds().gemm.rtol
+    dtypes = ["fp32", "bf16"] + (["fp8"] if fp8_supported(torch.device("cpu")) else [])
+    for dtype in dtypes:
+        r = run_gemm(torch.device("cpu"), dtype, 64, 0.01, corrupt=True)
+        assert r["rel_err"] > rtol[dtype] and r["consistent"] is False, dtype
 
 
 def test_gemm_corrupted_result_is_caught():

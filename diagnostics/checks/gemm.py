@@ -1,7 +1,8 @@
 """GEMM burn-in: sustained matmul throughput per dtype, with the results verified.
 
-For each device (every GPU, or the CPU) and dtype (fp32, bf16, and fp8 on GPUs
-with compute capability >= 8.9), square matrices with deterministic contents
+For each device (every GPU, or the CPU) and dtype (fp32, bf16, and fp8 through
+``torch._scaled_mm`` on GPUs with compute capability >= 8.9 or on a CPU build
+that has the kernel -- torch 2.13's does), square matrices with deterministic contents
 (seeded generator, uniform in [-1, 1)) are multiplied back to back for
 ``quick_seconds`` / ``full_seconds``.  Two correctness tests, in the spirit of
 gpu-burn's result comparison:
@@ -32,15 +33,27 @@ SIZES = {("cpu", "quick"): 256, ("cpu", "full"): 1024, ("cuda", "quick"): 4096, 
 REFERENCE_ROWS = 16
 
 
+_CPU_FP8: bool | None = None
+
+
 def fp8_supported(device: Any) -> bool:
+    """FP8 GEMM (``torch._scaled_mm``): CUDA compute capability >= 8.9, or a CPU build that has the kernel."""
+    global _CPU_FP8
     import torch
 
-    return (
-        device.type == "cuda"
-        and torch.cuda.get_device_capability(device) >= (8, 9)
-        and hasattr(torch, "float8_e4m3fn")
-        and hasattr(torch, "_scaled_mm")
-    )
+    if not (hasattr(torch, "float8_e4m3fn") and hasattr(torch, "_scaled_mm")):
+        return False
+    if device.type == "cuda":
+        return torch.cuda.get_device_capability(device) >= (8, 9)
+    if _CPU_FP8 is None:
+        try:
+            a = torch.ones(16, 16).to(torch.float8_e4m3fn)
+            one = torch.ones((), dtype=torch.float32)
+            torch._scaled_mm(a, a.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+            _CPU_FP8 = True
+        except (RuntimeError, NotImplementedError):
+            _CPU_FP8 = False
+    return _CPU_FP8
 
 
 def run_gemm(device: Any, dtype: str, n: int, seconds: float, corrupt: bool = False, seed: int = 1234) -> dict[str, Any]:
@@ -152,10 +165,9 @@ class GemmCheck(Check):
                 verdicts.append(verdict)
                 value[dtype] = min(value.get(dtype, float("inf")), r["tflops"])
                 threshold[dtype] = text
-            if device.type == "cpu":
-                results["fp8"] = "not supported on cpu"
-            elif "fp8" not in dtypes:
-                results["fp8"] = "needs compute capability >= 8.9"
+            if "fp8" not in dtypes:
+                results["fp8"] = "not supported by this torch build on cpu" if device.type == "cpu" else \
+                    "needs compute capability >= 8.9"
             per_device[str(device)] = results
         verdict = worst(verdicts)
         if verdict == "pass":
