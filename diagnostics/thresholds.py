@@ -84,11 +84,11 @@ def _default_models() -> dict[str, ModelSpec]:
 def _default_cpu() -> ModelSpec:
     # [choice] Floors for a CPU-only host (tests, local mode), measured with one intra-op
     # thread (see checks._devices.single_cpu_thread) on the project's 2-core dev host:
-    # idle ~0.1 TFLOPS fp32 / ~0.07 bf16 at 256^3, ~7 GB/s copy; at load 5 on 2 cores
-    # 0.057 / 0.036 / 6.2.  fail_fraction (0.5) of these floors is still ~5x below that.
-    # fp8 (torch._scaled_mm on CPU): ~0.012 TFLOPS measured at moderate load.
-    return ModelSpec(match="cpu", fp32_tflops=0.02, bf16_tflops=0.01, fp8_tflops=0.002, membw_gbps=2.0,
-                     allreduce_busbw_gbps=0.1)
+    # idle ~0.1 TFLOPS fp32 / ~0.07 bf16 / ~0.012 fp8 at 256^3, ~7 GB/s copy, ~0.5 GB/s gloo
+    # busbw; at load 10 on 2 cores copy fell to ~1 GB/s.  The floors below (fail at half of
+    # them, 0.8x for busbw) only catch a broken or starved host, e.g. copy under 0.25 GB/s.
+    return ModelSpec(match="cpu", fp32_tflops=0.005, bf16_tflops=0.0025, fp8_tflops=0.0005, membw_gbps=0.5,
+                     allreduce_busbw_gbps=0.02)
 
 
 #: Xids Meta GCM treats as non-critical (anchors 4.5); every other Xid is critical.

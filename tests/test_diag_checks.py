@@ -193,7 +193,8 @@ def test_ib_min_rate_and_injected_down(tmp_path):
 
 def test_gemm_really_runs_on_cpu_and_verifies():
     r = run("gemm")
-    assert r.verdict == "pass", r.reason
+    # Throughput on a shared host may dip under the warn level; correctness may not.
+    assert r.verdict in ("pass", "warn"), r.reason
     cpu = r.details["devices"]["cpu"]
     dtypes = ("fp32", "bf16", "fp8") if fp8_supported(torch.device("cpu")) else ("fp32", "bf16")
     for dtype in dtypes:
@@ -233,7 +234,8 @@ def test_gemm_low_throughput_fails_and_warns():
 
 def test_membw_really_copies_host_memory():
     r = run("membw")
-    assert r.verdict == "pass", r.reason
+    # Throughput on a shared host may dip under the warn level; correctness may not.
+    assert r.verdict in ("pass", "warn"), r.reason
     d = r.details["devices"]["cpu"]
     assert d["gbps"] > 0 and d["verified"] is True and r.value > 0
 
@@ -258,7 +260,8 @@ def test_busbw_formula_matches_nccl_tests():
 
 def test_collective_really_runs_two_gloo_ranks():
     r = run("collective")
-    assert r.verdict == "pass", r.reason
+    # Throughput on a shared host may dip under the warn level; correctness may not.
+    assert r.verdict in ("pass", "warn"), r.reason
     d = r.details
     assert d["backend"] == "gloo" and d["ranks"] == 2 and d["wrong_elements"] == 0
     assert d["busbw_gbps"] > 0 and d["algbw_gbps"] > 0

@@ -44,7 +44,7 @@ def test_cli_burnin_passes_and_writes_json(tmp_path, subprocess_env, etcd_endpoi
         assert {"name", "verdict", "value", "threshold", "reason", "details"} <= set(c)
     by_name = {c["name"]: c for c in report["checks"]}
     assert by_name["gpu"]["verdict"] == "skip"
-    assert by_name["gemm"]["verdict"] == "pass" and by_name["gemm"]["value"]["fp32"] > 0
+    assert by_name["gemm"]["verdict"] in ("pass", "warn") and by_name["gemm"]["value"]["fp32"] > 0
     assert by_name["collective"]["value"] > 0
     assert by_name["etcd"]["verdict"] == "pass"
 
