@@ -140,5 +140,7 @@ def fmt(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.4g}"
     if isinstance(value, dict):
-        return " ".join(f"{k}={fmt(v)}" for k, v in value.items())
+        # {"fp32": ">=0.5 (fail<0.3)"} reads as "fp32>=0.5 (fail<0.3)"; numbers as "k=v".
+        return " ".join(f"{k}{v}" if isinstance(v, str) and v[:1] in "<>" else f"{k}={fmt(v)}"
+                        for k, v in value.items())
     return str(value)
