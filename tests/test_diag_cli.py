@@ -28,13 +28,15 @@ def diag(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
                           capture_output=True, text=True, timeout=120)
 
 
-def test_cli_burnin_passes_and_writes_json(tmp_path, subprocess_env, etcd_endpoint):
+def test_cli_burnin_passes_and_writes_json(tmp_path, capsys, etcd_endpoint):
+    # In-process (torch is already imported here); the subprocess tests below cover the entry point.
     out = tmp_path / "report.json"
-    proc = diag("burnin", "--quick", "--json", str(out), "--etcd-endpoint", etcd_endpoint,
-                "--ckpt-dir", str(tmp_path), env=subprocess_env)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "overall: PASS" in proc.stdout or "overall: WARN" in proc.stdout
-    assert "skipped: no NVIDIA driver" in proc.stdout and "skipped: no IB devices" in proc.stdout
+    code = main(["burnin", "--quick", "--json", str(out), "--etcd-endpoint", etcd_endpoint,
+                 "--ckpt-dir", str(tmp_path)])
+    stdout = capsys.readouterr().out
+    assert code == 0, stdout
+    assert "overall: PASS" in stdout or "overall: WARN" in stdout
+    assert "skipped: no NVIDIA driver" in stdout and "skipped: no IB devices" in stdout
     report = json.loads(out.read_text())
     assert set(report) == {"host", "ts", "mode", "verdict", "checks", "duration_s"}
     assert report["mode"] == "quick" and report["verdict"] in ("pass", "warn")
@@ -53,6 +55,15 @@ def test_cli_single_check_fails_with_exit_1(subprocess_env):
     proc = diag("gpu", "--inject", BAD_GPU, env=subprocess_env)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "FAIL" in proc.stdout and "gpu3: row remap pending" in proc.stdout
+
+
+def test_cli_bad_config_exits_2_via_subprocess(tmp_path, subprocess_env):
+    cfg = tmp_path / "t.yaml"
+    cfg.write_text("disk: {fail_mbps: 500, warn_mbps: 100}\n")
+    proc = diag("disk", "--config", str(cfg), env=subprocess_env)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == f"diag: error: --config {cfg}: disk.fail_mbps: must not exceed warn_mbps"
+    assert proc.stdout == ""
 
 
 def test_cli_injection_from_env_var(subprocess_env):
