@@ -377,3 +377,19 @@ class BrokenReader(NoHardware):
 def test_crashing_check_is_a_failure_not_a_crash():
     r = run("ib", base=BrokenReader())
     assert r.verdict == "fail" and r.reason == "check raised RuntimeError: sysfs exploded"
+
+
+@pytest.mark.parametrize(
+    "check, knob, scale, verdict",
+    [
+        ("gemm", "tflops_scale", 0.3, "fail"),   # below fail_fraction 0.5 of its own unscaled run
+        ("gemm", "tflops_scale", 0.6, "warn"),   # between 0.5 and warn_fraction 0.7
+        ("membw", "gbps_scale", 0.3, "fail"),
+        ("collective", "busbw_scale", 0.3, "fail"),
+        ("collective", "busbw_scale", 0.85, "warn"),  # between 0.8 and 0.9
+    ],
+)
+def test_scale_knobs_make_a_cpu_node_look_slow(check, knob, scale, verdict):
+    # The chaos module's "slow node" injection must work on CPU hosts as it does on GPUs.
+    r = run(check, {check: {knob: scale}})
+    assert r.verdict == verdict, r.reason

@@ -33,6 +33,20 @@ def synchronize(device: Any) -> None:
         torch.cuda.synchronize(device)
 
 
+def cpu_expected(device: Any, floor: float | None, unscaled: float, scale: float) -> float | None:
+    """What a CPU measurement is judged against when a throughput-scale knob is injected.
+
+    A GPU has a peak to compare with, so ``tflops_scale: 0.3`` means "30 % of what it
+    should do" and fails.  A CPU has only a floor; without this, the same knob would
+    pass on a CPU host and chaos could not make a CPU node look slow.  So with a scale
+    injected on the CPU, the host's own unscaled measurement is the expectation (never
+    below the floor): the injected fraction is judged by the same warn / fail fractions.
+    """
+    if device.type != "cpu" or scale == 1.0:
+        return floor
+    return max(floor or 0.0, unscaled)
+
+
 def judge(measured: float, expected: float | None, warn_fraction: float, fail_fraction: float) -> tuple[str, str]:
     """(verdict, threshold text) for a throughput against ``expected``; pass when nothing is expected."""
     if expected is None:

@@ -32,7 +32,7 @@ import time
 from typing import Any
 
 from diagnostics.checks import Check, Context, register
-from diagnostics.checks._devices import judge, spec_for
+from diagnostics.checks._devices import cpu_expected, judge, spec_for
 from diagnostics.report import CheckResult, worst
 
 WARMUP = 2
@@ -180,9 +180,12 @@ class CollectiveCheck(Check):
             model, spec = "cpu", ctx.thresholds.cpu
         iters = 20 if ctx.full else 5
         r = run_allreduce(world, backend, nbytes, iters, corrupt=corrupt, timeout_s=t.timeout_s)
+        unscaled = r["busbw_gbps"]
         r["busbw_gbps"] *= scale
         r["algbw_gbps"] *= scale
         expected = spec.allreduce_busbw_gbps if spec else None
+        if backend == "gloo":
+            expected = cpu_expected(torch.device("cpu"), expected, unscaled, scale)
         speed, text = judge(r["busbw_gbps"], expected, t.warn_fraction, t.fail_fraction)
         reasons = []
         if r["wrong_elements"]:

@@ -15,7 +15,8 @@ gpu-burn's result comparison:
   inputs, same kernel); a faulty math unit or memory corrupts one of them.
 
 Injection knobs (``gemm:`` section): ``tflops_scale`` multiplies the measured
-throughput (to simulate a slow GPU), ``corrupt: true`` perturbs one element of
+throughput (to simulate a slow GPU; on a CPU it is judged against the unscaled
+run, see :func:`~diagnostics.checks._devices.cpu_expected`), ``corrupt: true`` perturbs one element of
 the last product, which both tests must catch.
 """
 
@@ -25,7 +26,7 @@ import time
 from typing import Any
 
 from diagnostics.checks import Check, Context, register
-from diagnostics.checks._devices import compute_devices, judge, single_cpu_thread, spec_for, synchronize
+from diagnostics.checks._devices import compute_devices, cpu_expected, judge, single_cpu_thread, spec_for, synchronize
 from diagnostics.report import CheckResult, worst
 
 #: Matrix size per (device type, mode).
@@ -147,8 +148,10 @@ class GemmCheck(Check):
             for dtype in dtypes:
                 with single_cpu_thread(device):
                     r = run_gemm(device, dtype, n, seconds, corrupt=corrupt)
+                unscaled = r["tflops"]
                 r["tflops"] *= scale
                 expected = getattr(spec, f"{dtype}_tflops") if spec else None
+                expected = cpu_expected(device, expected, unscaled, scale)
                 verdict, text = judge(r["tflops"], expected, t.warn_fraction, t.fail_fraction)
                 if verdict != "pass":
                     problems.append(f"{device} {dtype} {r['tflops']:.4g} TFLOPS {text}")

@@ -12,7 +12,7 @@ import time
 from typing import Any
 
 from diagnostics.checks import Check, Context, register
-from diagnostics.checks._devices import compute_devices, judge, single_cpu_thread, spec_for, synchronize
+from diagnostics.checks._devices import compute_devices, cpu_expected, judge, single_cpu_thread, spec_for, synchronize
 from diagnostics.report import CheckResult, worst
 
 #: Buffer size in bytes per (device type, mode).
@@ -61,14 +61,16 @@ class MembwCheck(Check):
             model, spec = spec_for(device, ctx.thresholds)
             with single_cpu_thread(device):
                 r = run_copy(device, SIZES[(device.type, ctx.mode)], seconds)
+            unscaled = r["gbps"]
             r["gbps"] *= scale
-            verdict, text = judge(r["gbps"], spec.membw_gbps if spec else None, t.warn_fraction, t.fail_fraction)
+            expected = cpu_expected(device, spec.membw_gbps if spec else None, unscaled, scale)
+            verdict, text = judge(r["gbps"], expected, t.warn_fraction, t.fail_fraction)
             if verdict != "pass":
                 problems.append(f"{device} copy {r['gbps']:.4g} GB/s {text}")
             if not r["verified"]:
                 verdict = "fail"
                 problems.insert(0, f"{device} copy produced wrong data")
-            r.update(model=model, verdict=verdict, expected_gbps=spec.membw_gbps if spec else None)
+            r.update(model=model, verdict=verdict, expected_gbps=expected)
             per_device[str(device)] = r
             verdicts.append(verdict)
             low = min(low, r["gbps"])
