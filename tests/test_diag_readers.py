@@ -238,7 +238,7 @@ def _fake_nvml(monkeypatch, count=2):
     }
     for name, fn in fns.items():
         monkeypatch.setattr(nv, name, fn)
-    import diagnostics.readers as readers
+    from diagnostics import readers
 
     monkeypatch.setattr(readers, "read_kernel_log", lambda: (
         "[  12.1] NVRM: Xid (PCI:0000:18:00): 63, pid=1234, Row Remapper: New row marked for remapping\n"

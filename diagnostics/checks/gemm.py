@@ -26,7 +26,14 @@ import time
 from typing import Any
 
 from diagnostics.checks import Check, Context, register
-from diagnostics.checks._devices import compute_devices, cpu_expected, judge, single_cpu_thread, spec_for, synchronize
+from diagnostics.checks._devices import (
+    compute_devices,
+    cpu_expected,
+    judge,
+    single_cpu_thread,
+    spec_for,
+    synchronize,
+)
 from diagnostics.report import CheckResult, worst
 
 #: Matrix size per (device type, mode).
