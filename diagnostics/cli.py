@@ -53,7 +53,9 @@ def build_parser() -> _Parser:
     parser = _Parser(prog="diag", description="Node burn-in screening.")
     sub = parser.add_subparsers(dest="command", metavar="{burnin,list,<check>}", parser_class=_Parser)
     sub.required = True
-    _add_options(sub.add_parser("burnin", help="run every check"))
+    burnin = sub.add_parser("burnin", help="run every check")
+    _add_options(burnin)
+    burnin.add_argument("--checks", metavar="A,B", help="run only these checks (comma-separated names)")
     sub.add_parser("list", help="list the checks")
     for name in registry.all_names() + sorted(registry.ALIASES):
         cls = registry.REGISTRY[registry.resolve(name)]
@@ -76,6 +78,12 @@ def main(argv: list[str] | None = None) -> int:
     from diagnostics.preflight import run_screen
 
     only = None if args.command == "burnin" else [args.command]
+    if args.command == "burnin" and args.checks:
+        only = [c.strip() for c in args.checks.split(",") if c.strip()]
+        unknown = [c for c in only if c not in registry.REGISTRY and c not in registry.ALIASES]
+        if unknown:
+            print(f"diag: error: --checks: unknown check {unknown[0]!r} (see `diag list`)", file=sys.stderr)
+            return EXIT_ERROR
     if args.config and not Path(args.config).is_file():
         print(f"diag: error: --config: no such file {args.config}", file=sys.stderr)
         return EXIT_ERROR

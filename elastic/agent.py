@@ -439,6 +439,8 @@ class NodeAgent:
                "--etcd-endpoint", self.spec.endpoint, "--ckpt-dir", str(self.spec.run_dir)]
         if cfg.checks:
             cmd += ["--checks", ",".join(cfg.checks)]
+        if cfg.thresholds:
+            cmd += ["--config", cfg.thresholds]
         inject = self.spec.run_dir / "faults" / f"diag-{self.spec.node_id}.yaml"
         if inject.exists():
             cmd += ["--inject", str(inject)]
@@ -451,8 +453,9 @@ class NodeAgent:
             rc, tail = None, [f"screen did not finish within {cfg.timeout_s:g}s"]
         failures: list[str] = []
         try:
-            failures = json.loads(report_path.read_text()).get("failures", [])
-        except (OSError, json.JSONDecodeError):
+            checks = json.loads(report_path.read_text()).get("checks", [])
+            failures = [f"{c['name']}: {c['reason']}" for c in checks if c.get("verdict") == "fail"]
+        except (OSError, json.JSONDecodeError, KeyError, TypeError):
             pass
         passed = rc == 0
         reason = "; ".join(failures) or (tail[0] if tail else f"diag exited {rc}")

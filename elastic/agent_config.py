@@ -117,11 +117,13 @@ class LeaderConfig:
 
 @dataclass(kw_only=True)
 class PreflightConfig:
-    enabled: bool = False
+    enabled: bool = True
     """Screen the node with ``diag burnin`` before it joins and after a failure whose action is rescreen."""
     mode: Literal["quick", "full"] = "quick"
     checks: list[str] = field(default_factory=list)
     """Checks to run (empty: every check of the mode)."""
+    thresholds: str = ""
+    """Thresholds YAML for ``diag`` (empty: its per-GPU-model defaults)."""
     timeout_s: float = 120.0
     """A screen that does not finish in time counts as failed (a wedged GPU hangs its checks)."""
     exclusion_ttl_s: float = 3600.0

@@ -19,7 +19,7 @@ from tests.launch_helpers import start_launcher, wait_for_event, write_run_confi
 
 pytestmark = [pytest.mark.timeout(400), pytest.mark.slow]
 
-FAST_AGENT = {"max_restarts": 3, "term_grace_s": 2, "pg_timeout_s": 30,
+FAST_AGENT = {"max_restarts": 3, "term_grace_s": 2, "pg_timeout_s": 30, "preflight": {"enabled": False},
               "heartbeat": {"step_timeout_s": 2.5, "publish_interval_s": 0.5}}
 
 
@@ -162,3 +162,22 @@ def test_no_progress_guard_stops_crash_loop(tmp_path, subprocess_env_session):
     assert len([e for e in kinds(run_dir, "agent.state") if e["state"] == "FAILED"]) == 3
     gave_up = [e for e in kinds(run_dir, "agent.state") if e["state"] == "GAVE_UP"]
     assert "no progress" in gave_up[-1]["reason"]
+
+
+def test_bad_hardware_at_preflight_excludes_only_that_node(tmp_path, subprocess_env_session):
+    agent = {**FAST_AGENT, "preflight": {"enabled": True, "checks": ["gpu", "gemm"]}}
+    config = write_run_config(tmp_path, nodes="2:3", steps=12, agent=agent)
+    run_dir = tmp_path / "run"
+    (run_dir / "faults").mkdir(parents=True)
+    # node2's GEMM runs at a tenth of this host's throughput: the screen must fail it.
+    (run_dir / "faults" / "diag-node2.yaml").write_text("gemm: {tflops_scale: 0.1}\n")
+    proc = start_launcher(config, subprocess_env_session)
+    out = finish(proc)
+    assert proc.returncode == 0, out
+    s = summary_of(run_dir)
+    assert list(s["excluded"]) == ["node2"] and "gemm" in s["excluded"]["node2"]
+    assert s["nodes"]["node2"] == 93 and s["last_step"] == 12
+    screens = {e["source"]: e["passed"] for e in kinds(run_dir, "agent.screen")}
+    assert screens == {"agent/node0": True, "agent/node1": True, "agent/node2": False}
+    sizes = {e["world_size"] for e in kinds(run_dir, "trainer.start")}
+    assert sizes == {2}  # the bad node never joined
