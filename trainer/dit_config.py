@@ -188,6 +188,8 @@ class NumericsConfig:
     """No spike verdicts before this many accepted losses."""
     spike_zscore: float = 8.0
     """A loss with (loss - median) / (1.4826 * MAD) above this is a spike; 0 disables spike detection."""
+    spike_min_rel_scale: float = 0.01
+    """Floor of the z-score's scale as a fraction of the median loss (guards against MAD ~ 0)."""
     max_consecutive_skips: int = 4
     """More skipped steps in a row than this escalates to rollback."""
     inject_nan_steps: list[int] = field(default_factory=list)
@@ -202,6 +204,8 @@ class NumericsConfig:
             raise ConfigError("spike_min_history", f"must be in [2, spike_window={self.spike_window}]")
         if self.spike_zscore < 0:
             raise ConfigError("spike_zscore", "must be >= 0")
+        if self.spike_min_rel_scale < 0:
+            raise ConfigError("spike_min_rel_scale", "must be >= 0")
         if self.max_consecutive_skips < 0:
             raise ConfigError("max_consecutive_skips", "must be >= 0")
         for i, step in enumerate(self.inject_nan_steps):

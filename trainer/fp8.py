@@ -14,7 +14,8 @@ Recipe (per call, no amax history - "current" / dynamic scaling):
   operands, passed straight through the quantizers.  The bias gradient is
   computed from the unquantized G.
 * backends: ``scaled_mm`` runs ``torch._scaled_mm`` (CUDA, compute capability
-  >= 8.9; the second operand must be column-major); ``emulate`` dequantizes the
+  >= 8.9, or torch's reference CPU kernel; the second operand must be
+  column-major); ``emulate`` dequantizes the
   same fp8 values and multiplies in fp32, so CPU tests see the numerics of the
   real kernel up to accumulation order.  The backward on CUDA uses
   ``_scaled_mm`` when the shapes allow it (all dims multiples of 16), else
@@ -86,12 +87,11 @@ class _FP8Matmul(torch.autograd.Function):
         layer._record(amax_input=ax.max(), amax_weight=aw.max(), sat_input=sat_x, sat_weight=sat_w)
         out_dtype = x2d.dtype
         if layer.use_scaled_mm and _mm_ok(x2d.shape[1], weight.shape[0]):
-            # _scaled_mm takes dequantization scales (1/scale); rowwise needs [M,1] and [1,N] and bf16 out.
+            # _scaled_mm takes dequantization scales (1/scale): rowwise [M,1] and [1,N] (bf16 output only).
             mm_dtype = torch.bfloat16 if rowwise else out_dtype
-            out = torch._scaled_mm(
-                xq, wq.t(), scale_a=(1.0 / sx).float(), scale_b=(1.0 / sw).float().reshape(1, -1) if rowwise else (1.0 / sw).float(),
-                out_dtype=mm_dtype,
-            ).to(out_dtype)
+            scale_b = (1.0 / sw).float().reshape(1, -1) if rowwise else (1.0 / sw).float()
+            out = torch._scaled_mm(xq, wq.t(), scale_a=(1.0 / sx).float(), scale_b=scale_b, out_dtype=mm_dtype)
+            out = out.to(out_dtype)
         else:
             out = (_dequant(xq, sx) @ _dequant(wq, sw).t()).to(out_dtype)
         if bias is not None:
@@ -114,16 +114,13 @@ class _FP8Matmul(torch.autograd.Function):
         k = xq.shape[1]
         rowwise = layer.recipe == "rowwise"
         if layer.use_scaled_mm and not rowwise and _mm_ok(m, n, k):
-            one = torch.ones((), device=gq.device)
-            # dX [M,K] = G [M,N] @ W [N,K]; b must be column-major.
-            grad_x = torch._scaled_mm(
-                gq, wq.t().contiguous().t(), scale_a=(1.0 / sg).float() * one, scale_b=(1.0 / sw).float(), out_dtype=torch.bfloat16
-            )
+            out_dtype = grad_out.dtype
+            # dX [M,K] = G [M,N] @ W [N,K]; the second operand must be column-major.
+            grad_x = torch._scaled_mm(gq, wq.t().contiguous().t(), scale_a=(1.0 / sg).float(),
+                                      scale_b=(1.0 / sw).float(), out_dtype=out_dtype)
             # dW [N,K] = G^T [N,M] @ X [M,K].
-            grad_w = torch._scaled_mm(
-                gq.t().contiguous(), xq.t().contiguous().t(), scale_a=(1.0 / sg).float() * one, scale_b=(1.0 / sx).float(),
-                out_dtype=torch.bfloat16,
-            )
+            grad_w = torch._scaled_mm(gq.t().contiguous(), xq.t().contiguous().t(), scale_a=(1.0 / sg).float(),
+                                      scale_b=(1.0 / sx).float(), out_dtype=out_dtype)
         else:
             g = _dequant(gq, sg)
             grad_x = g @ _dequant(wq, sw)
@@ -179,8 +176,10 @@ def convert_to_fp8(model: nn.Module, include: list[str], exclude: list[str], rec
     """
     device = next(model.parameters()).device
     hw = fp8_supported_on(device)
-    if backend == "scaled_mm" and not hw:
+    if backend == "scaled_mm" and device.type == "cuda" and not hw:
         raise ValueError(f"fp8 backend 'scaled_mm' needs CUDA compute capability >= 8.9 (device {device})")
+    # torch also has a (slow) CPU _scaled_mm kernel: 'scaled_mm' on CPU runs it, which tests the
+    # real-kernel code path (operand layouts, scales) without a GPU.
     use_mm = hw if backend == "auto" else backend == "scaled_mm"
     converted = []
     for name, module in list(model.named_modules()):

@@ -15,7 +15,9 @@ communication.  Verdicts:
 
 Spikes use a robust z-score over the last ``spike_window`` accepted losses:
 z = (loss - median) / (1.4826 * MAD), 1.4826 making the MAD a consistent
-estimate of the standard deviation for normal data.  Only upward spikes count.
+estimate of the standard deviation for normal data; the denominator is
+floored at ``spike_min_rel_scale * median`` so that a nearly constant history
+does not turn noise into spikes.  Only upward spikes count.
 A flagged loss never enters the history, so one spike cannot mask the next.
 """
 
@@ -44,12 +46,16 @@ class Verdict:
         return self.action == "ok"
 
 
-def robust_zscore(value: float, history: list[float]) -> float:
-    """(value - median) / (1.4826 * MAD); the denominator is floored relative to the median."""
+def robust_zscore(value: float, history: list[float], min_rel_scale: float = 0.0) -> float:
+    """(value - median) / max(1.4826 * MAD, min_rel_scale * |median|).
+
+    The floor matters when the history is nearly constant: the MAD then
+    collapses towards 0 and any tiny increase would look like a huge z.
+    """
     hist = torch.tensor(history, dtype=torch.float64)
-    median = float(hist.median())
-    mad = float((hist - median).abs().median())
-    scale = max(MAD_TO_STD * mad, 1e-6 * abs(median), 1e-12)
+    median = float(torch.quantile(hist, 0.5))
+    mad = float(torch.quantile((hist - median).abs(), 0.5))
+    scale = max(MAD_TO_STD * mad, min_rel_scale * abs(median), 1e-12)
     return (value - median) / scale
 
 
@@ -82,7 +88,7 @@ class NumericsGuard:
         if not math.isfinite(grad_norm):
             return Verdict(bad, f"non-finite grad norm ({grad_norm})")
         if self.cfg.spike_zscore > 0 and len(self.history) >= self.cfg.spike_min_history:
-            z = robust_zscore(loss, list(self.history))
+            z = robust_zscore(loss, list(self.history), self.cfg.spike_min_rel_scale)
             if z > self.cfg.spike_zscore:
                 return Verdict(bad, f"loss spike (robust z = {z:.1f} > {self.cfg.spike_zscore})", z)
         return Verdict("ok")
