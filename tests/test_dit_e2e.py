@@ -139,13 +139,20 @@ def test_rollback_reports_and_exits_with_exit_numerics(tmp_path, subprocess_env)
     assert reports[-1]["step"] == 3 and "non-finite loss" in reports[-1]["reason"]
     assert [r["step"] for r in reports if r["type"] == "commit"] == [2]
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["step-00000002"]
-    # the injection is once per run dir: a restart (the agent's rollback) gets past step 3
-    env["MASTER_PORT"] = str(_free_port())
-    env.pop("ELASTIC_AGENT_ADDR")
-    again = subprocess.run([sys.executable, "-m", "trainer.dit_train", "--config", str(config), "--run-dir",
-                            str(tmp_path / "run")], env=env, cwd=REPO, capture_output=True, text=True, timeout=60)
-    assert again.returncode == 0, again.stderr[-2000:]
+
+
+def test_rollback_restart_resumes_from_last_commit_and_gets_past_the_fault(tmp_path, world1):
+    sec = trainer_section(steps=6, numerics={"action": "rollback", "inject_nan_steps": [3]})
+    from trainer.dit_train import NumericsRollback
+
+    with pytest.raises(NumericsRollback):
+        run_in_process(world1, tmp_path / "run", sec, interval=2)
+    assert events(tmp_path / "run", kind="trainer.rollback")[0]["step"] == 3
+    # the injection is once per run dir: the restart (what the agent does on EXIT_NUMERICS) resumes
+    # from the step-2 checkpoint and gets past step 3
+    run_in_process(world1, tmp_path / "run", sec, interval=2)
     assert events(tmp_path / "run", kind="trainer.start")[-1]["step"] == 2
+    assert [e["step"] for e in events(tmp_path / "run", kind="trainer.step")] == [1, 2, 3, 4, 5, 6]
 
 
 @pytest.mark.timeout(180)
@@ -228,3 +235,18 @@ def test_cp2_and_fp8_run_end_to_end(tmp_path, subprocess_env):
     steps = events(tmp_path / "run", 1, "trainer.step")
     assert all(math.isfinite(e["loss"]) for e in steps)
     assert steps[-1]["fp8"]["layers"] == 8 and steps[-1]["fp8"]["amax_grad_max"] > 0
+
+
+def test_bf16_fp8_activation_checkpointing_run(tmp_path, world1):
+    """Mixed precision (bf16 params, fp32 reduce) + FP8 emulation + activation checkpointing train and resume."""
+    sec = trainer_section(steps=4, parallel={"param_dtype": "bfloat16", "activation_checkpointing": True},
+                          fp8={"enabled": True, "recipe": "rowwise"})
+    first = run_in_process(world1, tmp_path / "run", sec, interval=2)
+    steps = events(tmp_path / "run", kind="trainer.step")
+    assert len(steps) == 4 and all(math.isfinite(e["loss"]) and not e["skipped"] for e in steps)
+    assert steps[-1]["fp8"]["layers"] == 8 and steps[-1]["fp8"]["sat_input"] == 0
+    assert events(tmp_path / "run", kind="trainer.start")[0]["fp8_layers"] == 8
+    # the same run from its step-2 checkpoint ends bitwise identical
+    shutil.rmtree(tmp_path / "run" / "checkpoints" / "step-00000004")
+    (tmp_path / "run" / "final_checksum.txt").unlink()
+    assert run_in_process(world1, tmp_path / "run", sec, interval=2) == first

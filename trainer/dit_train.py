@@ -269,6 +269,8 @@ def train(cfg_file: DiTTrainerFile, run_dir: Path) -> str:
         worker.report_numerics(exc.step, exc.reason)
         events.emit("trainer.rollback", step=exc.step, reason=exc.reason)
         getattr(manager, "close", lambda: None)()
+        # Every rank reaches the same verdict (global loss and norm), so all of them get here.
+        dist.destroy_process_group()
         raise
 
     getattr(manager, "close", lambda: None)()
