@@ -94,3 +94,25 @@ def test_fixture_yaml_is_a_valid_trainer_section():
 def test_importable_without_torch():
     code = "import sys, trainer.dit_config; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[1], timeout=30)
+
+
+def test_fixture_validates_as_a_run_config_with_the_dit_trainer_section():
+    """What the launcher will do once RunConfig.trainer is DiTTrainerConfig (the lead's merge step)."""
+    import dataclasses
+
+    from launch.config import RunConfig
+
+    dit_run_config = dataclasses.make_dataclass(
+        "DiTRunConfig", [("trainer", DiTTrainerConfig, dataclasses.field(default_factory=DiTTrainerConfig))],
+        bases=(RunConfig,), kw_only=True)
+    cfg = from_dict(dit_run_config, yaml.safe_load(FIXTURE.read_text()))
+    assert cfg.launch.entrypoint == ["-m", "trainer.dit_train"]
+    assert cfg.trainer.parallel.cp == 1 and cfg.checkpoint.interval_steps == 10
+    fp = cfg.compute_fingerprint()
+    cfg.trainer.seed = 1
+    assert cfg.compute_fingerprint() != fp
+    bad = yaml.safe_load(FIXTURE.read_text())
+    bad["trainer"]["model"]["num_heads"] = 3
+    with pytest.raises(ConfigError) as info:
+        from_dict(dit_run_config, bad)
+    assert info.value.path == "trainer.model.hidden_dim"

@@ -250,3 +250,16 @@ def test_bf16_fp8_activation_checkpointing_run(tmp_path, world1):
     shutil.rmtree(tmp_path / "run" / "checkpoints" / "step-00000004")
     (tmp_path / "run" / "final_checksum.txt").unlink()
     assert run_in_process(world1, tmp_path / "run", sec, interval=2) == first
+
+
+def test_trains_from_safetensors_latents(tmp_path, world1):
+    from safetensors.torch import save_file
+
+    gen = torch.Generator().manual_seed(0)
+    for i in range(2):
+        save_file({"latents": torch.randn(6, 4, 8, 8, generator=gen), "labels": torch.arange(6) % 3},
+                  str(tmp_path / f"shard-{i:03d}.safetensors"))
+    sec = trainer_section(steps=3, data={"kind": "safetensors", "path": str(tmp_path), "num_samples": 1})
+    run_in_process(world1, tmp_path / "run", sec)
+    steps = events(tmp_path / "run", kind="trainer.step")
+    assert [e["samples_seen"] for e in steps] == [4, 8, 12] and all(math.isfinite(e["loss"]) for e in steps)

@@ -199,24 +199,27 @@ def convert_to_fp8(model: nn.Module, include: list[str], exclude: list[str], rec
 
 
 def fp8_stats(model: nn.Module) -> dict[str, Any]:
-    """Summary of the FP8 layers' last amax / saturation statistics (for trainer.step events)."""
-    layers = {name: m.stats for name, m in model.named_modules() if isinstance(m, Float8Linear) and m.stats}
+    """Summary of the FP8 layers' last amax / saturation statistics (for trainer.step events).
+
+    All values are gathered into one tensor first: one device sync per call, not one per layer.
+    """
+    layers = [m.stats for m in model.modules() if isinstance(m, Float8Linear) and m.stats]
     if not layers:
         return {}
-
-    def col(key: str) -> list[float]:
-        return [float(s[key]) for s in layers.values() if key in s]
-
+    keys = sorted({key for stats in layers for key in stats})
+    flat = [(key, stats[key]) for stats in layers for key in keys if key in stats]
+    values = torch.stack([v.float().reshape(()) for _, v in flat]).tolist()
+    columns: dict[str, list[float]] = {}
+    for (key, _), value in zip(flat, values):
+        columns.setdefault(key, []).append(value)
     summary: dict[str, Any] = {"layers": len(layers)}
     for key in ("amax_input", "amax_weight", "amax_grad"):
-        values = col(key)
-        if values:
-            summary[f"{key}_max"] = max(values)
-            summary[f"{key}_min"] = min(values)
+        if key in columns:
+            summary[f"{key}_max"] = max(columns[key])
+            summary[f"{key}_min"] = min(columns[key])
     for key in ("sat_input", "sat_weight", "sat_grad"):
-        values = col(key)
-        if values:
-            summary[key] = int(sum(values))
+        if key in columns:
+            summary[key] = int(sum(columns[key]))
     return summary
 
 
