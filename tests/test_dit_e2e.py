@@ -117,17 +117,19 @@ def test_injected_nan_is_skipped_and_never_reaches_the_weights(tmp_path, world1)
     assert events(tmp_path / "more", kind="trainer.done")[0]["total_skips"] == 1
 
 
-def test_rollback_reports_and_exits_with_exit_numerics(tmp_path, subprocess_env):
+def test_rollback_reports_and_exits_with_exit_numerics(tmp_path, world1, monkeypatch):
+    """``main`` (what ``python -m trainer.dit_train`` exits with) returns EXIT_NUMERICS after reporting."""
+    from trainer import dit_train
+
     config = write_yaml(tmp_path / "run.yaml", trainer_section(
         steps=6, numerics={"action": "rollback", "inject_nan_steps": [3]}), interval=2)
     sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     sock.bind(("127.0.0.1", 0))
     sock.settimeout(5)
-    env = {**subprocess_env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "RANK": "0",
-           "WORLD_SIZE": "1", "LOCAL_RANK": "0", "ELASTIC_AGENT_ADDR": "127.0.0.1:%d" % sock.getsockname()[1]}
-    proc = subprocess.run([sys.executable, "-m", "trainer.dit_train", "--config", str(config), "--run-dir",
-                           str(tmp_path / "run")], env=env, cwd=REPO, capture_output=True, text=True, timeout=60)
-    assert proc.returncode == EXIT_NUMERICS, proc.stderr[-2000:]
+    monkeypatch.setenv("ELASTIC_AGENT_ADDR", "127.0.0.1:%d" % sock.getsockname()[1])
+    # Under an agent a worker asks for SIGKILL when its parent dies; not for the pytest process.
+    monkeypatch.setattr("elastic.worker.set_parent_death_signal", lambda sig: None)
+    assert dit_train.main(["--config", str(config), "--run-dir", str(tmp_path / "run")]) == EXIT_NUMERICS
     reports = []
     try:
         while True:
@@ -137,6 +139,7 @@ def test_rollback_reports_and_exits_with_exit_numerics(tmp_path, subprocess_env)
     finally:
         sock.close()
     assert reports[-1]["step"] == 3 and "non-finite loss" in reports[-1]["reason"]
+    assert [r["step"] for r in reports if r["type"] == "step"] == [1, 2]
     assert [r["step"] for r in reports if r["type"] == "commit"] == [2]
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["step-00000002"]
 
@@ -199,9 +202,10 @@ def test_sample_writes_png_grid_from_newest_checkpoint(tmp_path, world1):
 @pytest.mark.timeout(300)
 def test_sigkill_and_resume_bitwise_equal_two_ranks(tmp_path, subprocess_env):
     """2 ranks: SIGKILL torchrun after the step-4 commit, resume, compare with an uninterrupted run."""
-    sec = trainer_section(steps=10, step_sleep=0.3)
+    sec = trainer_section(steps=8, step_sleep=0.3)  # the sleep gives the kill time to land mid-run
     config = write_yaml(tmp_path / "run.yaml", sec)
-    straight = torchrun(2, config, tmp_path / "straight", subprocess_env, timeout=150)
+    fast = write_yaml(tmp_path / "fast.yaml", {**sec, "step_sleep": 0.0})  # sleeping changes no numerics
+    straight = torchrun(2, fast, tmp_path / "straight", subprocess_env, timeout=150)
     assert straight.returncode == 0, straight.stderr[-3000:]
     run = tmp_path / "killed"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
@@ -216,7 +220,7 @@ def test_sigkill_and_resume_bitwise_equal_two_ranks(tmp_path, subprocess_env):
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     assert not (run / "final_checksum.txt").exists()
-    resumed = torchrun(2, config, run, subprocess_env, timeout=150)
+    resumed = torchrun(2, fast, run, subprocess_env, timeout=150)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     start = events(run, 0, "trainer.start")[-1]
     assert start["resumed"] and start["step"] >= 4 and start["rank_rng_restored"]

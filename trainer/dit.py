@@ -231,7 +231,10 @@ class DiT(nn.Module):
             c = c + self.y_embedder(y_B)
         for block in self.blocks:
             x = block(x, c)
-        return self.final_layer(x, c)
+        # Linear on a 3-D input returns a view of its 2-D result; FSDP2 warns about view outputs
+        # of the root module (an in-place op on them would skip its backward hook).  The output is
+        # only P values per token, so a copy is cheap and keeps the logs clean.
+        return self.final_layer(x, c).clone()
 
     def unpatchify(self, tokens_BNP: torch.Tensor) -> torch.Tensor:
         return unpatchify(tokens_BNP, self.patch_size, self.in_channels)
