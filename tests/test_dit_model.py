@@ -151,3 +151,12 @@ def free_port_env(monkeypatch):
                        "LOCAL_RANK": "0"}.items():
         monkeypatch.setenv(key, value)
     monkeypatch.delenv("ELASTIC_AGENT_ADDR", raising=False)
+
+
+def test_xl_preset_has_dit_xl2_size():
+    """DiT-XL/2 on 32x32x4 latents with 1000 classes has about 675M parameters (DiT paper)."""
+    with torch.device("meta"):
+        model = DiT(from_dict(ModelConfig, {"preset": "XL", "input_size": 32, "num_classes": 1000}))
+    count = sum(p.numel() for p in model.parameters())
+    assert 670e6 < count < 680e6, count
+    assert model.num_tokens == 256 and len(model.blocks) == 28 and model.blocks[0].attn.num_heads == 16
