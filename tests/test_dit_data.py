@@ -92,3 +92,21 @@ def test_resume_at_other_dp_continues_with_next_unseen_samples():
             assert sum((GlobalSampler.rank_slice(batch, r, dp) for r in range(dp)), []) == seq[step]
     with pytest.raises(ValueError):
         GlobalSampler(51, 6, seed=7).load_state_dict(saved)
+
+
+def test_image_folder(tmp_path):
+    Image = pytest.importorskip("PIL.Image")
+    for label, colour in (("cat", (255, 0, 0)), ("dog", (0, 0, 255))):
+        (tmp_path / label).mkdir()
+        for i in range(2):
+            Image.new("RGB", (20 + 4 * i, 16), colour).save(tmp_path / label / f"{i}.png")
+    (tmp_path / "dog" / "notes.txt").write_text("not an image")
+    model = from_dict(ModelConfig, {"in_channels": 3, "num_classes": 2})
+    ds = build_dataset(from_dict(DataConfig, {"kind": "image_folder", "path": str(tmp_path)}), model, 0)
+    assert len(ds) == 4 and ds.classes == ["cat", "dog"]
+    x, y = ds[3]
+    assert x.shape == (3, 8, 8) and y == 1
+    assert torch.allclose(x[2], torch.ones(8, 8)) and torch.allclose(x[0], -torch.ones(8, 8))  # blue in [-1, 1]
+    with pytest.raises(ValueError, match="in_channels"):
+        build_dataset(from_dict(DataConfig, {"kind": "image_folder", "path": str(tmp_path)}),
+                      from_dict(ModelConfig, {}), 0)

@@ -10,6 +10,9 @@ Datasets map a global index to ``(latent [C, H, W] float32, label int)``:
 * :class:`SafetensorsLatents`: pre-computed latents in ``*.safetensors``
   shards (``latents`` [N, C, H, W], optional ``labels`` [N] int), read lazily
   row by row through ``safe_open``.
+* :class:`ImageFolder`: pixel-space training on ``root/<class>/<image>``
+  files (class index = sorted folder order), center-cropped, resized to
+  ``input_size`` and scaled to [-1, 1]; needs pillow and ``in_channels: 3``.
 
 :class:`GlobalSampler` owns the data order.  Its position is global: an epoch
 number and how many samples of that epoch's permutation all ranks together
@@ -108,6 +111,43 @@ class SafetensorsLatents:
         return latent, int(labels[row]) if labels is not None else 0
 
 
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".webp")
+
+
+class ImageFolder:
+    def __init__(self, root: str, size: int) -> None:
+        try:
+            from PIL import Image
+        except ImportError as exc:  # optional dependency
+            raise ImportError("data.kind 'image_folder' needs pillow (pip install pillow)") from exc
+        self._image = Image
+        self.size = size
+        base = Path(root)
+        self.classes = sorted(p.name for p in base.iterdir() if p.is_dir()) if base.is_dir() else []
+        self.items: list[tuple[Path, int]] = []
+        for label, name in enumerate(self.classes):
+            files = sorted(f for f in (base / name).rglob("*") if f.suffix.lower() in IMAGE_SUFFIXES)
+            self.items.extend((f, label) for f in files)
+        if not self.items:
+            raise FileNotFoundError(f"no images under {root!r} (expected root/<class>/<image>)")
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        if not 0 <= index < len(self.items):
+            raise IndexError(index)
+        path, label = self.items[index]
+        with self._image.open(path) as img:
+            img = img.convert("RGB")
+            side = min(img.size)
+            left, top = (img.width - side) // 2, (img.height - side) // 2
+            img = img.crop((left, top, left + side, top + side)).resize((self.size, self.size), self._image.BICUBIC)
+            data = torch.frombuffer(bytearray(img.tobytes()), dtype=torch.uint8)
+        pixels = data.reshape(self.size, self.size, 3).permute(2, 0, 1).float()
+        return pixels / 127.5 - 1.0, label
+
+
 def _bisect_right(values: list[int], x: int) -> int:
     lo, hi = 0, len(values)
     while lo < hi:
@@ -128,9 +168,16 @@ def _shard_files(path: str) -> list[Path]:
     return sorted(Path(f) for f in glob.glob(os.path.expanduser(path)))
 
 
-def build_dataset(data: DataConfig, model: ModelConfig, seed: int) -> SyntheticLatents | SafetensorsLatents:
+def build_dataset(data: DataConfig, model: ModelConfig, seed: int) -> SyntheticLatents | SafetensorsLatents | ImageFolder:
     if data.kind == "synthetic":
         return SyntheticLatents(data.num_samples, model.in_channels, model.input_size, model.num_classes, seed)
+    if data.kind == "image_folder":
+        if model.in_channels != 3:
+            raise ValueError(f"image_folder data is RGB: model.in_channels must be 3, not {model.in_channels}")
+        images = ImageFolder(data.path, model.input_size)
+        if model.num_classes and len(images.classes) > model.num_classes:
+            raise ValueError(f"{len(images.classes)} class folders but model.num_classes = {model.num_classes}")
+        return images
     ds = SafetensorsLatents(data.path, data.latents_key, data.labels_key)
     expected = (model.in_channels, model.input_size, model.input_size)
     if ds.sample_shape != expected:

@@ -13,7 +13,7 @@ Sections::
       steps, seed, global_batch_size, step_sleep, log_every
       model:     preset or explicit sizes (input_size, patch_size, hidden_dim, depth, num_heads, ...)
       flow:      logit-normal timestep sampling, Euler sampler settings
-      data:      synthetic | safetensors latents
+      data:      synthetic | safetensors latents | image folder
       parallel:  dp, cp, mixed-precision dtypes, activation checkpointing
       fp8:       which linears become FP8, scaling granularity
       numerics:  NaN/Inf and loss-spike guard and what to do about it
@@ -122,11 +122,12 @@ class FlowConfig:
 
 @dataclass(kw_only=True)
 class DataConfig:
-    kind: Literal["synthetic", "safetensors"] = "synthetic"
+    kind: Literal["synthetic", "safetensors", "image_folder"] = "synthetic"
     num_samples: int = 512
     """Size of the synthetic dataset (ignored for safetensors)."""
     path: str = ""
-    """safetensors: a shard file, a directory of ``*.safetensors`` shards, or a glob."""
+    """safetensors: a shard file, a directory of ``*.safetensors`` shards, or a glob;
+    image_folder: a directory ``root/<class>/<image>`` (pixel space, model.in_channels = 3)."""
     latents_key: str = "latents"
     labels_key: str = "labels"
     """Optional int64 [N] tensor in each shard; missing -> all labels 0."""
@@ -135,8 +136,8 @@ class DataConfig:
     def __post_init__(self) -> None:
         if self.num_samples < 1:
             raise ConfigError("num_samples", "must be >= 1")
-        if self.kind == "safetensors" and not self.path:
-            raise ConfigError("path", "required for kind 'safetensors'")
+        if self.kind != "synthetic" and not self.path:
+            raise ConfigError("path", f"required for kind {self.kind!r}")
 
 
 @dataclass(kw_only=True)
