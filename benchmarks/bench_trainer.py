@@ -35,12 +35,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
-from elastic.config import from_dict  # noqa: E402
-from trainer.dit_config import DiTTrainerConfig  # noqa: E402
+from elastic.config import from_dict
+from trainer.dit_config import DiTTrainerConfig
 
 CPU_MODEL = {"preset": "", "input_size": 16, "in_channels": 4, "patch_size": 2, "hidden_dim": 128, "depth": 4,
              "num_heads": 4, "num_classes": 10}
@@ -141,11 +141,56 @@ def _cuda_time(fn, warmup: int, iters: int) -> float:
     return start.elapsed_time(end) / 1e3 / iters
 
 
-def run_gpu(args: argparse.Namespace) -> dict:
+def _measure_shape(m: int, k: int, n: int, dev: torch.device, args: argparse.Namespace) -> dict:
     from torch import nn
 
     from trainer.fp8 import E4M3, Float8Linear, compute_scale, quantize
 
+    a = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+    w = torch.randn(n, k, device=dev, dtype=torch.bfloat16)
+    flops = 2 * m * n * k
+    t_bf16 = _cuda_time(lambda: torch.mm(a, w.t()), args.warmup, args.iters)
+    sa, _ = compute_scale(a, E4M3, rowwise=False)
+    sw, _ = compute_scale(w, E4M3, rowwise=False)
+    aq, _ = quantize(a, E4M3, sa)
+    wq, _ = quantize(w, E4M3, sw)
+    inv_a, inv_w = (1.0 / sa).float(), (1.0 / sw).float()
+    # b operand column-major: wq is [N, K] row-major, so wq.t() is [K, N] column-major.
+    t_fp8 = _cuda_time(lambda: torch._scaled_mm(aq, wq.t(), scale_a=inv_a, scale_b=inv_w,
+                                                out_dtype=torch.bfloat16), args.warmup, args.iters)
+    sa_r, _ = compute_scale(a, E4M3, rowwise=True)
+    sw_r, _ = compute_scale(w, E4M3, rowwise=True)
+    aq_r, _ = quantize(a, E4M3, sa_r)
+    wq_r, _ = quantize(w, E4M3, sw_r)
+    inv_ar, inv_wr = (1.0 / sa_r).float(), (1.0 / sw_r).float().reshape(1, -1)
+    t_fp8_row = _cuda_time(lambda: torch._scaled_mm(aq_r, wq_r.t(), scale_a=inv_ar, scale_b=inv_wr,
+                                                    out_dtype=torch.bfloat16), args.warmup, args.iters)
+    ref = nn.Linear(k, n, device=dev, dtype=torch.bfloat16)
+    lin8 = Float8Linear.from_linear(ref, "tensorwise", use_scaled_mm=True)
+    x = torch.randn(m, k, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn(m, n, device=dev, dtype=torch.bfloat16)
+
+    def fwd_bwd(layer):
+        def step():
+            x.grad = None
+            layer.weight.grad = None
+            layer(x).backward(g)
+        return step
+
+    t_lin_bf16 = _cuda_time(fwd_bwd(ref), args.warmup, args.iters)
+    t_lin_fp8 = _cuda_time(fwd_bwd(lin8), args.warmup, args.iters)
+    return {
+        "M": m, "K": k, "N": n,
+        "gemm_bf16_ms": round(t_bf16 * 1e3, 4), "gemm_fp8_tensorwise_ms": round(t_fp8 * 1e3, 4),
+        "gemm_fp8_rowwise_ms": round(t_fp8_row * 1e3, 4),
+        "gemm_bf16_tflops": round(flops / t_bf16 / 1e12, 1), "gemm_fp8_tflops": round(flops / t_fp8 / 1e12, 1),
+        "gemm_speedup": round(t_bf16 / t_fp8, 3),
+        "linear_fwd_bwd_bf16_ms": round(t_lin_bf16 * 1e3, 4), "linear_fwd_bwd_fp8_ms": round(t_lin_fp8 * 1e3, 4),
+        "linear_fwd_bwd_speedup": round(t_lin_bf16 / t_lin_fp8, 3),
+    }
+
+
+def run_gpu(args: argparse.Namespace) -> dict:
     if not torch.cuda.is_available():
         raise SystemExit("--gpu needs CUDA")
     dev = torch.device("cuda")
@@ -155,50 +200,7 @@ def run_gpu(args: argparse.Namespace) -> dict:
     dim, mlp, tokens = 1152, 4608, 256  # DiT-XL/2 on 32x32 latents (256x256 images)
     m = args.batch * tokens
     shapes = {"attn.qkv": (dim, 3 * dim), "attn.proj": (dim, dim), "mlp.fc1": (dim, mlp), "mlp.fc2": (mlp, dim)}
-    rows = []
-    for name, (k, n) in shapes.items():
-        a = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-        w = torch.randn(n, k, device=dev, dtype=torch.bfloat16)
-        flops = 2 * m * n * k
-        t_bf16 = _cuda_time(lambda: torch.mm(a, w.t()), args.warmup, args.iters)
-        sa, _ = compute_scale(a, E4M3, rowwise=False)
-        sw, _ = compute_scale(w, E4M3, rowwise=False)
-        aq, _ = quantize(a, E4M3, sa)
-        wq, _ = quantize(w, E4M3, sw)
-        inv_a, inv_w = (1.0 / sa).float(), (1.0 / sw).float()
-        # b operand column-major: wq is [N, K] row-major, so wq.t() is [K, N] column-major.
-        t_fp8 = _cuda_time(lambda: torch._scaled_mm(aq, wq.t(), scale_a=inv_a, scale_b=inv_w,
-                                                    out_dtype=torch.bfloat16), args.warmup, args.iters)
-        sa_r, _ = compute_scale(a, E4M3, rowwise=True)
-        sw_r, _ = compute_scale(w, E4M3, rowwise=True)
-        aq_r, _ = quantize(a, E4M3, sa_r)
-        wq_r, _ = quantize(w, E4M3, sw_r)
-        inv_ar, inv_wr = (1.0 / sa_r).float(), (1.0 / sw_r).float().reshape(1, -1)
-        t_fp8_row = _cuda_time(lambda: torch._scaled_mm(aq_r, wq_r.t(), scale_a=inv_ar, scale_b=inv_wr,
-                                                        out_dtype=torch.bfloat16), args.warmup, args.iters)
-        ref = nn.Linear(k, n, device=dev, dtype=torch.bfloat16)
-        lin8 = Float8Linear.from_linear(ref, "tensorwise", use_scaled_mm=True)
-        x = torch.randn(m, k, device=dev, dtype=torch.bfloat16, requires_grad=True)
-        g = torch.randn(m, n, device=dev, dtype=torch.bfloat16)
-
-        def fwd_bwd(layer):
-            def step():
-                x.grad = None
-                layer.weight.grad = None
-                layer(x).backward(g)
-            return step
-
-        t_lin_bf16 = _cuda_time(fwd_bwd(ref), args.warmup, args.iters)
-        t_lin_fp8 = _cuda_time(fwd_bwd(lin8), args.warmup, args.iters)
-        rows.append({
-            "layer": name, "M": m, "K": k, "N": n,
-            "gemm_bf16_ms": round(t_bf16 * 1e3, 4), "gemm_fp8_tensorwise_ms": round(t_fp8 * 1e3, 4),
-            "gemm_fp8_rowwise_ms": round(t_fp8_row * 1e3, 4),
-            "gemm_bf16_tflops": round(flops / t_bf16 / 1e12, 1), "gemm_fp8_tflops": round(flops / t_fp8 / 1e12, 1),
-            "gemm_speedup": round(t_bf16 / t_fp8, 3),
-            "linear_fwd_bwd_bf16_ms": round(t_lin_bf16 * 1e3, 4), "linear_fwd_bwd_fp8_ms": round(t_lin_fp8 * 1e3, 4),
-            "linear_fwd_bwd_speedup": round(t_lin_bf16 / t_lin_fp8, 3),
-        })
+    rows = [{"layer": name, **_measure_shape(m, k, n, dev, args)} for name, (k, n) in shapes.items()]
     return {"mode": "gpu", "device": torch.cuda.get_device_name(dev), "capability": list(cap), "batch": args.batch,
             "tokens_per_image": tokens, "results": rows,
             "note": "linear_fwd_bwd includes dynamic amax/scale/cast per call (no torch.compile fusion)."}

@@ -7,7 +7,13 @@ import torch
 from safetensors.torch import save_file
 
 from elastic.config import from_dict
-from trainer.data import GlobalSampler, SafetensorsLatents, SyntheticLatents, build_dataset, collate
+from trainer.data import (
+    GlobalSampler,
+    SafetensorsLatents,
+    SyntheticLatents,
+    build_dataset,
+    collate,
+)
 from trainer.dit_config import DataConfig, ModelConfig
 
 
@@ -61,7 +67,7 @@ def test_safetensors_without_labels_and_missing_key(tmp_path):
 def test_sampler_covers_each_epoch_once_and_crosses_epochs():
     s = GlobalSampler(10, 4, seed=0)
     batches = [s.next_global_batch() for _ in range(5)]  # 20 samples = 2 epochs
-    flat = sum(batches, [])
+    flat = [i for batch in batches for i in batch]
     assert sorted(flat[:10]) == list(range(10)) and sorted(flat[10:]) == list(range(10))
     assert flat[:10] != flat[10:]  # reshuffled per epoch
     assert (s.epoch, s.consumed, s.samples_seen) == (2, 0, 20)
@@ -71,7 +77,7 @@ def test_rank_slices_partition_the_global_batch():
     batch = GlobalSampler(100, 8, seed=3).next_global_batch()
     for dp in (1, 2, 4, 8):
         parts = [GlobalSampler.rank_slice(batch, r, dp) for r in range(dp)]
-        assert sum(parts, []) == batch
+        assert [i for part in parts for i in part] == batch
 
 
 def test_resume_at_other_dp_continues_with_next_unseen_samples():
@@ -89,7 +95,7 @@ def test_resume_at_other_dp_continues_with_next_unseen_samples():
         assert batch == seq[step]
         # whatever the dp size after the resume, the ranks together take exactly this batch
         for dp in (1, 2, 3):
-            assert sum((GlobalSampler.rank_slice(batch, r, dp) for r in range(dp)), []) == seq[step]
+            assert [i for r in range(dp) for i in GlobalSampler.rank_slice(batch, r, dp)] == seq[step]
     with pytest.raises(ValueError):
         GlobalSampler(51, 6, seed=7).load_state_dict(saved)
 

@@ -81,7 +81,7 @@ def write_yaml(path: Path, trainer: dict, interval: int = 4) -> Path:
 def torchrun(nproc: int, config: Path, run_dir: Path, env: dict, timeout: float = 90) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            "-m", "trainer.dit_train", "--config", str(config), "--run-dir", str(run_dir)]
-    return subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout, check=False)
 
 
 def test_same_seed_bitwise_equal_and_stop_resume_matches_uninterrupted(tmp_path, world1):
@@ -126,7 +126,7 @@ def test_rollback_reports_and_exits_with_exit_numerics(tmp_path, world1, monkeyp
     sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     sock.bind(("127.0.0.1", 0))
     sock.settimeout(5)
-    monkeypatch.setenv("ELASTIC_AGENT_ADDR", "127.0.0.1:%d" % sock.getsockname()[1])
+    monkeypatch.setenv("ELASTIC_AGENT_ADDR", f"127.0.0.1:{sock.getsockname()[1]}")
     # Under an agent a worker asks for SIGKILL when its parent dies; not for the pytest process.
     monkeypatch.setattr("elastic.worker.set_parent_death_signal", lambda sig: None)
     assert dit_train.main(["--config", str(config), "--run-dir", str(tmp_path / "run")]) == EXIT_NUMERICS

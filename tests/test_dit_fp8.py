@@ -17,7 +17,15 @@ from torch import nn
 from elastic.config import from_dict
 from trainer.dit import build_dit
 from trainer.dit_config import ModelConfig
-from trainer.fp8 import E4M3, E4M3_MAX, Float8Linear, compute_scale, convert_to_fp8, fp8_stats, quantize
+from trainer.fp8 import (
+    E4M3,
+    E4M3_MAX,
+    Float8Linear,
+    compute_scale,
+    convert_to_fp8,
+    fp8_stats,
+    quantize,
+)
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -42,7 +50,7 @@ def test_quantize_saturates_instead_of_overflowing():
 
 def test_dynamic_scale_maps_amax_to_fp8_max_and_handles_zeros():
     x = torch.randn(16, 32) * 1e4  # far beyond the e4m3 range before scaling
-    scale, amax = compute_scale(x, E4M3, rowwise=False)
+    scale, _ = compute_scale(x, E4M3, rowwise=False)
     q, saturated = quantize(x, E4M3, scale)
     assert float(q.float().abs().max()) == E4M3_MAX and int(saturated) == 0
     zero_scale, _ = compute_scale(torch.zeros(4, 4), E4M3, rowwise=False)

@@ -7,8 +7,15 @@ import torch
 
 from elastic.config import from_dict
 from trainer.dit import DiT, build_dit, patchify, unpatchify
-from trainer.dit_config import DiTTrainerConfig, ModelConfig
-from trainer.flow import euler_sample, flow_loss, interpolate, per_sample_noise, sample_seed, velocity_target
+from trainer.dit_config import ModelConfig
+from trainer.flow import (
+    euler_sample,
+    flow_loss,
+    interpolate,
+    per_sample_noise,
+    sample_seed,
+    velocity_target,
+)
 from trainer.parallel import apply_activation_checkpointing
 
 

@@ -84,13 +84,14 @@ class SafetensorsLatents:
         shape = None
         for file in self.files:
             handle = safe_open(str(file), framework="pt")
-            if latents_key not in handle.keys():
-                raise KeyError(f"{file}: no tensor {latents_key!r} (has {sorted(handle.keys())})")
+            names = set(handle.keys())
+            if latents_key not in names:
+                raise KeyError(f"{file}: no tensor {latents_key!r} (has {sorted(names)})")
             rows = handle.get_slice(latents_key).get_shape()
             if shape is not None and rows[1:] != shape:
                 raise ValueError(f"{file}: latent shape {rows[1:]} differs from {shape}")
             shape = rows[1:]
-            labels = handle.get_tensor(labels_key).long() if labels_key in handle.keys() else None
+            labels = handle.get_tensor(labels_key).long() if labels_key in names else None
             if labels is not None and labels.shape[0] != rows[0]:
                 raise ValueError(f"{file}: {labels.shape[0]} labels for {rows[0]} latents")
             self._handles.append(handle)

@@ -38,7 +38,7 @@ def patchify(x_BCHW: torch.Tensor, p: int) -> torch.Tensor:
 def unpatchify(tokens_BNP: torch.Tensor, p: int, c: int) -> torch.Tensor:
     """Inverse of :func:`patchify`."""
     b, n, _ = tokens_BNP.shape
-    g = int(math.isqrt(n))
+    g = math.isqrt(n)
     x = tokens_BNP.reshape(b, g, g, p, p, c)
     x = x.permute(0, 5, 1, 3, 2, 4)  # B, C, gh, py, gw, px
     return x.reshape(b, c, g * p, g * p)

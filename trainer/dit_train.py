@@ -180,7 +180,7 @@ def build_model(cfg: DiTTrainerConfig, device: torch.device) -> tuple[DiT, list[
 def train(cfg_file: DiTTrainerFile, run_dir: Path) -> str:
     cfg = cfg_file.trainer
     use_cuda = torch.cuda.is_available()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if use_cuda else torch.device("cpu")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if use_cuda else "gloo", timeout=pg_timeout())
@@ -216,7 +216,7 @@ def train(cfg_file: DiTTrainerFile, run_dir: Path) -> str:
     start = state.step if loaded else 0
     events.emit("trainer.start", step=start, world_size=world, dp=dp, cp=cp, resumed=loaded is not None,
                 rank_rng_restored=rank_rng, samples_seen=sampler.samples_seen, fp8_layers=len(converted),
-                restart_count=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)))
+                restart_count=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
 
     sample_shape = (cfg.model.in_channels, cfg.model.input_size, cfg.model.input_size)
     tokens_per_step = cfg.global_batch_size * cfg.model.num_tokens

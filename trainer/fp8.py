@@ -31,7 +31,6 @@ import fnmatch
 from typing import Any, Literal
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 E4M3 = torch.float8_e4m3fn

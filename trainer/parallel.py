@@ -111,7 +111,9 @@ def _inner(module: nn.Module) -> nn.Module:
 
 def apply_activation_checkpointing(model: DiT) -> None:
     """Recompute each block in backward (non-reentrant checkpoint; applied before FSDP)."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        checkpoint_wrapper,
+    )
 
     for i, block in enumerate(model.blocks):
         model.blocks[i] = checkpoint_wrapper(block, preserve_rng_state=False)

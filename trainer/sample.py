@@ -22,21 +22,29 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    set_model_state_dict,
+)
 from torch.distributed.checkpoint.stateful import Stateful
 
 from elastic.checkpoint import CheckpointCorrupt, CheckpointManager, step_dir_name
 from elastic.config import ConfigError
 from elastic.events import EventLog
 from trainer.dit import DiT, build_dit
-from trainer.dit_train import RESOLVED_CONFIG_NAME, DiTTrainerFile, checkpoint_root, load_trainer_config
+from trainer.dit_train import (
+    RESOLVED_CONFIG_NAME,
+    DiTTrainerFile,
+    checkpoint_root,
+    load_trainer_config,
+)
 from trainer.flow import euler_sample
 
 
 class _ReadOnlyCheckpoints(CheckpointManager):
     """CheckpointManager's discovery and verification without its start-up cleanup."""
 
-    def __init__(self, cfg_file: DiTTrainerFile, root: Path) -> None:  # noqa: D107 - no super(): no side effects
+    def __init__(self, cfg_file: DiTTrainerFile, root: Path) -> None:
         self.config = cfg_file.checkpoint
         self.root = root
         self.fingerprint = cfg_file.fingerprint
