@@ -230,8 +230,10 @@ def test_sigkill_and_resume_bitwise_equal_two_ranks(tmp_path, subprocess_env):
 @pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_cp2_and_fp8_run_end_to_end(tmp_path, subprocess_env):
-    """Full trainer with cp=2 (Ulysses, 2 ranks) and FP8 emulation: runs, loss finite, fp8 stats logged."""
-    sec = trainer_section(steps=4, model={"num_heads": 2}, parallel={"cp": 2}, fp8={"enabled": True})
+    """Full trainer with cp=2 (Ulysses, 2 ranks), FP8 emulation and 2 micro-batches (FSDP gradient sync
+    toggled): runs, loss finite, fp8 stats logged."""
+    sec = trainer_section(steps=4, micro_batch_size=2, model={"num_heads": 2}, parallel={"cp": 2},
+                          fp8={"enabled": True})
     proc = torchrun(2, write_yaml(tmp_path / "run.yaml", sec), tmp_path / "run", subprocess_env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     start = events(tmp_path / "run", 0, "trainer.start")[0]
@@ -267,3 +269,14 @@ def test_trains_from_safetensors_latents(tmp_path, world1):
     run_in_process(world1, tmp_path / "run", sec)
     steps = events(tmp_path / "run", kind="trainer.step")
     assert [e["samples_seen"] for e in steps] == [4, 8, 12] and all(math.isfinite(e["loss"]) for e in steps)
+
+
+def test_micro_batches_accumulate_to_the_full_batch_gradient(tmp_path, world1):
+    full = trainer_section(steps=3, global_batch_size=6)
+    run_in_process(world1, tmp_path / "full", full)
+    run_in_process(world1, tmp_path / "micro", {**full, "micro_batch_size": 4})  # chunks of 4 + 2
+    a = events(tmp_path / "full", kind="trainer.step")
+    b = events(tmp_path / "micro", kind="trainer.step")
+    for x, y in zip(a, b):
+        assert y["loss"] == pytest.approx(x["loss"], rel=1e-5)
+        assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-4)

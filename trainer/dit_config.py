@@ -10,7 +10,7 @@ need the world size (``dp * cp == world``) are in
 Sections::
 
     trainer:
-      steps, seed, global_batch_size, step_sleep, log_every
+      steps, seed, global_batch_size, micro_batch_size, step_sleep
       model:     preset or explicit sizes (input_size, patch_size, hidden_dim, depth, num_heads, ...)
       flow:      logit-normal timestep sampling, Euler sampler settings
       data:      synthetic | safetensors latents | image folder
@@ -250,6 +250,10 @@ class DiTTrainerConfig:
     global_batch_size: int = 8
     """Samples per step over all data-parallel ranks (fixed across dp changes, so a resume at
     another world size consumes the same samples per step)."""
+    micro_batch_size: int = 0
+    """Per-rank samples per forward/backward; larger per-rank batches are processed in chunks with
+    gradient accumulation (0 = the whole per-rank batch at once).  Bounds memory when an elastic
+    shrink raises the per-rank batch (the global batch is fixed)."""
     step_sleep: float = 0.0
     """Extra seconds per step, so that faults can land mid-run in tests and demos."""
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -267,6 +271,8 @@ class DiTTrainerConfig:
             raise ConfigError("global_batch_size", "must be >= 1")
         if self.step_sleep < 0:
             raise ConfigError("step_sleep", "must be >= 0")
+        if self.micro_batch_size < 0:
+            raise ConfigError("micro_batch_size", "must be >= 0 (0 = whole per-rank batch)")
         cp = self.parallel.cp
         if self.model.num_tokens % cp:
             raise ConfigError("parallel.cp", f"must divide the token count {self.model.num_tokens}")

@@ -169,6 +169,26 @@ def _inject_nan(cfg: DiTTrainerConfig, run_dir: Path, step: int, rank: int) -> b
     return True
 
 
+def micro_batches(indices: list[int], size: int) -> list[list[int]]:
+    if size <= 0 or size >= len(indices):
+        return [indices]
+    return [indices[i : i + size] for i in range(0, len(indices), size)]
+
+
+def micro_batch_loss(model: DiT, cfg: DiTTrainerConfig, dataset: Any, step: int, indices: list[int],
+                     device: torch.device) -> torch.Tensor:
+    """Flow-matching loss of these global sample indices (this rank's tokens of them)."""
+    shape = (cfg.model.in_channels, cfg.model.input_size, cfg.model.input_size)
+    x0, labels = collate(dataset, indices)
+    noise, t, drop = per_sample_noise(cfg.seed, step, indices, shape, cfg.flow.t_logit_mean, cfg.flow.t_logit_std,
+                                      cfg.model.class_dropout_prob)
+    labels = torch.where(drop, torch.full_like(labels, model.null_class), labels)
+    x_t = interpolate(x0, noise, t).to(device)
+    target = model.local_tokens(velocity_target(x0, noise)).to(device)
+    y = labels.to(device) if cfg.model.num_classes else None
+    return flow_loss(model(x_t, t.to(device), y), target)
+
+
 def build_model(cfg: DiTTrainerConfig, device: torch.device) -> tuple[DiT, list[str]]:
     model = build_dit(cfg.model, cfg.seed).to(device)
     converted: list[str] = []
@@ -218,23 +238,23 @@ def train(cfg_file: DiTTrainerFile, run_dir: Path) -> str:
                 rank_rng_restored=rank_rng, samples_seen=sampler.samples_seen, fp8_layers=len(converted),
                 restart_count=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
 
-    sample_shape = (cfg.model.in_channels, cfg.model.input_size, cfg.model.input_size)
     tokens_per_step = cfg.global_batch_size * cfg.model.num_tokens
     try:
         for step in range(start + 1, cfg.steps + 1):
             t0 = time.monotonic()
             indices = GlobalSampler.rank_slice(sampler.next_global_batch(), dp_rank, dp)
-            x0, labels = collate(dataset, indices)
-            noise, t, drop = per_sample_noise(cfg.seed, step, indices, sample_shape, cfg.flow.t_logit_mean,
-                                              cfg.flow.t_logit_std, cfg.model.class_dropout_prob)
-            labels = torch.where(drop, torch.full_like(labels, model.null_class), labels)
-            x_t = interpolate(x0, noise, t).to(device)
-            target = model.local_tokens(velocity_target(x0, noise)).to(device)
-            loss = flow_loss(model(x_t, t.to(device), labels.to(device) if cfg.model.num_classes else None), target)
-            if _inject_nan(cfg, run_dir, step, rank):
-                loss = loss * float("nan")
+            inject = _inject_nan(cfg, run_dir, step, rank)
             optim.zero_grad(set_to_none=True)
-            loss.backward()
+            chunks = micro_batches(indices, cfg.micro_batch_size)
+            loss = torch.zeros((), device=device)
+            for i, chunk in enumerate(chunks):
+                if len(chunks) > 1 and hasattr(model, "set_requires_gradient_sync"):
+                    model.set_requires_gradient_sync(i == len(chunks) - 1)  # reduce-scatter after the last one
+                part = micro_batch_loss(model, cfg, dataset, step, chunk, device) * (len(chunk) / len(indices))
+                if inject:
+                    part = part * float("nan")
+                part.backward()
+                loss += part.detach()
 
             global_loss = loss.detach().clone()
             dist.all_reduce(global_loss, op=dist.ReduceOp.AVG)
