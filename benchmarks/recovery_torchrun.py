@@ -39,7 +39,7 @@ from elastic.config import override  # noqa: E402
 
 
 def make_config(args, run_dir: Path, run_id: str) -> Path:
-    cfg = load_config(REPO / "examples" / "tiny.yaml")
+    cfg = load_config(REPO / "examples" / "mlp-tiny.yaml")
     for key, value in {
         "run.id": run_id, "run.dir": str(run_dir), "launch.nodes": str(args.nodes),
         "trainer.steps": args.steps, "trainer.step_sleep": args.step_sleep,

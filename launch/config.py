@@ -27,7 +27,10 @@ import yaml
 from elastic.agent_config import AgentConfig, RendezvousConfig
 from elastic.checkpoint_config import CheckpointConfig
 from elastic.config import ConfigError, from_dict, to_dict
+from trainer.dit_config import DiTTrainerConfig
 from trainer.minimal_config import MLPTrainerConfig
+
+DIT_ENTRYPOINT = ["-m", "trainer.dit_train"]
 
 _NODES_RE = re.compile(r"^(\d+)(?::(\d+))?$")
 _RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
@@ -112,6 +115,31 @@ class RunConfig:
         return hashlib.sha256(json.dumps(basis, sort_keys=True).encode()).hexdigest()[:16]
 
 
+@dataclass(kw_only=True)
+class DiTRunConfig(RunConfig):
+    """A run of the reference DiT trainer: the trainer section is its config."""
+
+    launch: LaunchConfig = field(default_factory=lambda: LaunchConfig(entrypoint=list(DIT_ENTRYPOINT)))
+    trainer: DiTTrainerConfig = field(default_factory=DiTTrainerConfig)
+
+    def __post_init__(self) -> None:
+        # Every world size the elastic range allows must split the global batch and the cp axis.
+        lo, hi = self.launch.min_nodes, self.launch.max_nodes
+        for nodes in range(lo, hi + 1):
+            try:
+                self.trainer.check_world(nodes * self.launch.nproc_per_node)
+            except ConfigError as exc:
+                raise ConfigError(f"trainer.{exc.path}" if exc.path else "trainer",
+                                  f"{exc.message} (at {nodes} nodes of launch.nodes={self.launch.nodes})") from None
+
+
+def config_class(data: dict) -> type[RunConfig]:
+    """The trainer section's schema follows the entrypoint torchrun runs."""
+    launch = data.get("launch") if isinstance(data, dict) else None
+    entry = launch.get("entrypoint") if isinstance(launch, dict) else None
+    return DiTRunConfig if entry == DIT_ENTRYPOINT else RunConfig
+
+
 def load_config(path: str | os.PathLike[str] | None) -> RunConfig:
     """YAML file -> RunConfig; ConfigError (one line, names the field) on any problem."""
     if path is None:
@@ -126,7 +154,8 @@ def load_config(path: str | os.PathLike[str] | None) -> RunConfig:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark else ""
         raise ConfigError("", f"{path}: invalid YAML{where}") from None
-    return from_dict(RunConfig, data or {})
+    data = data or {}
+    return from_dict(config_class(data), data)
 
 
 def dump_config(cfg: RunConfig, path: str | os.PathLike[str]) -> None:

@@ -19,7 +19,7 @@ def write(tmp_path, text: str):
 
 
 def test_example_config_loads():
-    cfg = load_config("examples/tiny.yaml")
+    cfg = load_config("examples/mlp-tiny.yaml")
     assert cfg.launch.max_nodes == 4 and cfg.trainer.steps == 40 and cfg.checkpoint.interval_steps == 10
 
 
@@ -49,7 +49,7 @@ def test_invalid_yaml_names_the_line(tmp_path):
 
 
 def test_cli_flags_override_yaml():
-    args = build_parser().parse_args(["examples/tiny.yaml", "--nodes", "2:3", "--steps", "7",
+    args = build_parser().parse_args(["examples/mlp-tiny.yaml", "--nodes", "2:3", "--steps", "7",
                                       "--set", "checkpoint.interval_steps=5", "--set", "agent.term_grace_s=1.5"])
     cfg = resolve_config(args)
     assert cfg.launch.nodes == "2:3" and cfg.launch.min_nodes == 2 and cfg.launch.max_nodes == 3
@@ -64,10 +64,10 @@ def test_parse_nodes():
 
 
 @pytest.mark.parametrize("argv, needle", [
-    (["--nodes", "0", "examples/tiny.yaml"], "--nodes"),
-    (["--set", "trainer.nope=1", "examples/tiny.yaml"], "trainer.nope"),
-    (["--set", "novalue", "examples/tiny.yaml"], "--set"),
-    (["--etcd-endpoint", "host:notaport", "examples/tiny.yaml"], "launch.etcd_endpoint"),
+    (["--nodes", "0", "examples/mlp-tiny.yaml"], "--nodes"),
+    (["--set", "trainer.nope=1", "examples/mlp-tiny.yaml"], "trainer.nope"),
+    (["--set", "novalue", "examples/mlp-tiny.yaml"], "--set"),
+    (["--etcd-endpoint", "host:notaport", "examples/mlp-tiny.yaml"], "launch.etcd_endpoint"),
     (["missing.yaml"], "cannot read config missing.yaml"),
 ])
 def test_launcher_config_errors_are_one_line_exit_2(argv, needle, subprocess_env, tmp_path):
@@ -78,3 +78,17 @@ def test_launcher_config_errors_are_one_line_exit_2(argv, needle, subprocess_env
     assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert lines[0].startswith("elastic-launch: config error:") and needle in lines[0]
     assert not (tmp_path / "runs").exists()
+
+
+def test_dit_example_selects_the_dit_schema():
+    from launch.config import DiTRunConfig
+
+    cfg = load_config("examples/tiny.yaml")
+    assert isinstance(cfg, DiTRunConfig) and cfg.trainer.model.preset == "tiny"
+    assert cfg.launch.entrypoint == ["-m", "trainer.dit_train"]
+
+
+def test_dit_batch_must_split_over_every_elastic_world_size(tmp_path):
+    text = open("examples/tiny.yaml").read().replace('nodes: "4"', 'nodes: "2:3"')
+    with pytest.raises(ConfigError, match=r"trainer.global_batch_size: .*at 3 nodes"):
+        load_config(write(tmp_path, text))

@@ -42,7 +42,8 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from elastic.checkpoint import CheckpointConfig, CheckpointManager
 from elastic.config import ConfigError, from_dict, to_dict
 from elastic.events import EventLog
-from elastic.worker import EXIT_NUMERICS, WorkerContext, pg_timeout
+from elastic.faults import FaultHooks
+from elastic.worker import EXIT_NUMERICS, WorkerContext, pg_timeout, skip_steps
 from trainer.data import GlobalSampler, build_dataset, collate
 from trainer.dit import DiT, build_dit
 from trainer.dit_config import DiTTrainerConfig
@@ -235,15 +236,32 @@ def train(cfg_file: DiTTrainerFile, run_dir: Path) -> str:
     rank_rng = restore_rank_rng(loaded[1]) if loaded else False
     start = state.step if loaded else 0
     events.emit("trainer.start", step=start, world_size=world, dp=dp, cp=cp, resumed=loaded is not None,
+                node=os.environ.get("ELASTIC_NODE_ID"),
                 rank_rng_restored=rank_rng, samples_seen=sampler.samples_seen, fp8_layers=len(converted),
                 restart_count=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
 
     tokens_per_step = cfg.global_batch_size * cfg.model.num_tokens
+    hooks = FaultHooks(run_dir, rank, events)
+    skipped_steps = skip_steps()
+    sync = torch.zeros(1, device=device)
     try:
         for step in range(start + 1, cfg.steps + 1):
             t0 = time.monotonic()
+            hooks.before_step(step)
+            # The step's sync point: time spent here is waiting for slower peers, not work.
+            t_sync = time.monotonic()
+            dist.all_reduce(sync)
+            wait = time.monotonic() - t_sync
             indices = GlobalSampler.rank_slice(sampler.next_global_batch(), dp_rank, dp)
-            inject = _inject_nan(cfg, run_dir, step, rank)
+            if step in skipped_steps:
+                # Rolled back past a bad batch: the sampler moves on, the batch is never used.
+                state.step = step
+                events.emit("trainer.step_skipped", step=step, reason="numerics rollback")
+                if manager.should_save(step) or step == cfg.steps:
+                    manager.save(step, {"app": state}, extra=rank_rng_state())
+                    worker.report_commit(step)
+                continue
+            inject = _inject_nan(cfg, run_dir, step, rank) or hooks.loss(step, 1.0) != 1.0
             optim.zero_grad(set_to_none=True)
             chunks = micro_batches(indices, cfg.micro_batch_size)
             loss = torch.zeros((), device=device)
@@ -281,7 +299,7 @@ def train(cfg_file: DiTTrainerFile, run_dir: Path) -> str:
             events.emit("trainer.step", step=step, loss=loss_value, step_time=step_time,
                         tokens_per_s=tokens_per_step / step_time if step_time > 0 else None, grad_norm=norm_value,
                         lr=lr, skipped=not verdict.ok, samples_seen=sampler.samples_seen, fp8=fp8_stats(model))
-            worker.report_step(step, loss_value, step_time)
+            worker.report_step(step, loss_value, step_time, step_time - wait)
             if manager.should_save(step) or step == cfg.steps:
                 manager.save(step, {"app": state}, extra=rank_rng_state())
                 worker.report_commit(step)
@@ -294,6 +312,7 @@ def train(cfg_file: DiTTrainerFile, run_dir: Path) -> str:
         raise
 
     getattr(manager, "close", lambda: None)()
+    worker.report_done(cfg.steps)
     checksum = param_checksum(model)
     if rank == 0:
         (run_dir / "final_checksum.txt").write_text(checksum + "\n")
