@@ -17,6 +17,8 @@ class CheckpointConfig:
     """Committed checkpoints to retain; the newest is never deleted."""
     verify_on_load: bool = True
     """Verify per-file sha256 before loading."""
+    async_save: bool = True
+    """Persist in a background thread (training blocks only for staging); False: write inline."""
 
     def __post_init__(self) -> None:
         if self.interval_steps < 0:
