@@ -171,9 +171,8 @@ def select_for_deletion(steps: Iterable[int], keep_last: int, protect: Iterable[
     return [step for step in ordered if step not in keep]
 
 
-def _error_fields(exc: BaseException) -> dict[str, Any]:
-    """The innermost OSError (errno), if any, plus a one-line message."""
-    fields: dict[str, Any] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
+def _root_cause(exc: BaseException) -> BaseException:
+    """The first OSError under ``exc`` (through DCP's per-rank failures and causes), else ``exc``."""
     seen: set[int] = set()
     stack: list[BaseException] = [exc]
     while stack:
@@ -182,16 +181,27 @@ def _error_fields(exc: BaseException) -> dict[str, Any]:
             continue
         seen.add(id(cur))
         if isinstance(cur, OSError) and cur.errno is not None:
-            fields["errno"] = errno.errorcode.get(cur.errno, str(cur.errno))
-            break
+            return cur
         # DCP's CheckpointException keeps per-rank failures as (exception, traceback) pairs.
         for failure in getattr(cur, "failures", {}).values():
             inner = failure[0] if isinstance(failure, tuple) else failure
             if isinstance(inner, BaseException):
                 stack.append(inner)
-        for nxt in (cur.__cause__, cur.__context__):
-            if nxt is not None:
-                stack.append(nxt)
+        stack.extend(nxt for nxt in (cur.__cause__, cur.__context__) if nxt is not None)
+    return exc
+
+
+def _error_fields(exc: BaseException) -> dict[str, Any]:
+    """Event fields for a failure: one-line ``error`` and, for an OSError, its ``errno`` name."""
+    root = _root_cause(exc)
+    first_line = (str(root).strip().splitlines() or [""])[0]
+    text = f"{type(root).__name__}: {first_line}"
+    if root is not exc:
+        ranks = sorted(getattr(exc, "failures", {}))
+        text = f"{type(exc).__name__}" + (f" on ranks {ranks}" if ranks else "") + f": {text}"
+    fields: dict[str, Any] = {"error": text[:1000]}
+    if isinstance(root, OSError) and root.errno is not None:
+        fields["errno"] = errno.errorcode.get(root.errno, str(root.errno))
     return fields
 
 
@@ -287,14 +297,18 @@ class CheckpointManager:
                 blob = buf.getvalue()
             writer = SafetensorsShardWriter(tmp, step, self._rank, storage_for_save(self.storage, self._rank), blob)
             if self.config.async_save:
-                upload = dcp.async_save(state, storage_writer=writer, process_group=self.group)
+                upload = dcp.async_save(
+                    state, storage_writer=writer, process_group=self.group, no_dist=not dist.is_initialized()
+                )
                 if not isinstance(upload, Future):  # AsyncSaveResponse (only with async stagers)
                     upload.staging_completion.result()
                     upload = upload.upload_completion
             else:
                 upload = Future()
                 try:
-                    upload.set_result(dcp.save(state, storage_writer=writer, process_group=self.group))
+                    upload.set_result(
+                        dcp.save(state, storage_writer=writer, process_group=self.group, no_dist=not dist.is_initialized())
+                    )
                 except _FAILURES as exc:  # reported by _finalize like an async failure
                     upload.set_exception(exc)
         except _FAILURES as exc:
@@ -477,7 +491,10 @@ class CheckpointManager:
             extra: dict[str, Any] = {}
             found = False
             try:
-                dcp.load(state, storage_reader=SafetensorsShardReader(path), process_group=self.group)
+                dcp.load(
+                    state, storage_reader=SafetensorsShardReader(path), process_group=self.group,
+                    no_dist=not dist.is_initialized(),
+                )
                 blob = read_extra(path, read_manifest(path), self._rank)
                 found = blob is not None
                 if blob:

@@ -118,14 +118,24 @@ def test_reshard_2_to_1_to_2(tmp_path, subprocess_env):
     assert rank1[0]["extra_found"] is False  # rank 1 did not exist in the 1-rank save
 
 
-def test_rank_killed_mid_save_previous_checkpoint_loads(tmp_path, subprocess_env):
-    codes = run_ranks("kill", 2, tmp_path, subprocess_env, timeout=60)
-    assert codes[1] == 9, _logs(tmp_path, "kill")  # died inside the write
+@pytest.mark.parametrize("dying", ["1", "0,1"])
+def test_rank_killed_mid_save_previous_checkpoint_loads(tmp_path, subprocess_env, dying):
+    """Rank 1 dies mid-write (rank 0 survives and reports it), or every rank dies (tmp dir left)."""
+    env = dict(subprocess_env, TEST_KILL_RANKS=dying)
+    codes = run_ranks("kill", 2, tmp_path, env, timeout=60)
     ckpt = tmp_path / "ckpt"
     assert not (ckpt / "step-00000004").exists()  # the partial save never became visible
     assert [p.name for p in ckpt.iterdir() if p.name.startswith("step-")] == ["step-00000002"]
-    if codes[0] == 0:  # survivor noticed the failure (gloo reports the dead peer)
+    if dying == "1":
+        assert codes == [0, 9], _logs(tmp_path, "kill")
         ev0 = read_events([tmp_path / "events-kill-rank0.jsonl"])
-        assert _kinds(ev0, "checkpoint.save_failed", step=4)
+        assert _kinds(ev0, "checkpoint.save_failed", step=4)  # gloo reported the dead peer
+        assert not list(ckpt.glob(".step-00000004.tmp-*"))  # and rank 0 cleaned up
+    else:
+        assert codes == [9, 9], _logs(tmp_path, "kill")
+        assert len(list(ckpt.glob(".step-00000004.tmp-*"))) == 1  # nobody left to clean up
     codes = run_ranks("kill_resume", 1, tmp_path, subprocess_env, timeout=60)
     assert codes == [0], _logs(tmp_path, "kill_resume")
+    resumed = read_events([tmp_path / "events-resume-rank0.jsonl"])
+    assert len(_kinds(resumed, "checkpoint.stale_tmp_removed")) == (0 if dying == "1" else 1)
+    assert [e["step"] for e in _kinds(resumed, "checkpoint.loaded")] == [2]

@@ -85,13 +85,13 @@ class GatedStorage(LocalStorage):
 
 
 class DyingStorage(LocalStorage):
-    """Rank ``rank`` writes half of its shard of step ``step``, then the process dies."""
+    """The chosen ranks write 8 bytes of their shard of ``step``, then the process dies."""
 
-    def __init__(self, step: int, rank: int) -> None:
-        self.step, self.rank = step, rank
+    def __init__(self, step: int, ranks: set[int]) -> None:
+        self.step, self.ranks = step, ranks
 
     def write_file(self, path, chunks, step):
-        if step == self.step and dist.get_rank() == self.rank and path.name.startswith("shard-"):
+        if step == self.step and dist.get_rank() in self.ranks and path.name.startswith("shard-"):
             with open(path, "wb") as fh:
                 fh.write(bytes(next(iter(chunks)))[:8])
                 fh.flush()
@@ -284,9 +284,10 @@ def scenario_hop(workdir: Path) -> None:
 
 
 def scenario_kill(workdir: Path) -> None:
-    """Commit step 2, then rank 1 dies half-way through writing step 4."""
+    """Commit step 2, then the ranks in TEST_KILL_RANKS die half-way through writing step 4."""
     rig = Rig(workdir, tag="-kill")
-    mgr = rig.manager(storage=DyingStorage(step=4, rank=1))
+    dying = {int(r) for r in os.environ["TEST_KILL_RANKS"].split(",")}
+    mgr = rig.manager(storage=DyingStorage(step=4, ranks=dying))
     for step in (1, 2):
         rig.train(step)
     ref2 = rig.snapshot()
@@ -307,6 +308,7 @@ def scenario_kill(workdir: Path) -> None:
 def scenario_kill_resume(workdir: Path) -> None:
     rig = Rig(workdir, tag="-resume")
     mgr = rig.manager()
+    assert mgr.committed_steps() == [2]
     assert not list((workdir / "ckpt").glob(".step-*")), "stale tmp dir survived start-up"
     ref = torch.load(workdir / "ref-kill.pt")
     loaded = mgr.load_latest(rig.state)
