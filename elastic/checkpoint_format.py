@@ -37,7 +37,10 @@ import dataclasses
 import hashlib
 import io
 import json
+import logging
+import os
 import struct
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -64,6 +67,11 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 from elastic.checkpoint_storage import CheckpointStorage, LocalStorage
+
+log = logging.getLogger(__name__)
+
+BACKGROUND_NICE = 10
+"""Niceness added to a background writer thread, so persisting yields the CPU to training."""
 
 MANIFEST_FILE = "manifest.json"
 FORMAT_NAME = "elastic-safetensors-v1"
@@ -175,6 +183,7 @@ class SafetensorsShardWriter(StorageWriter):
         ]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        _lower_thread_priority()
         file_name = plan.storage_data["file"]
         entries: list[tuple[str, torch.Tensor]] = []
         results: list[WriteResult] = []
@@ -255,6 +264,21 @@ class SafetensorsShardWriter(StorageWriter):
         text = json.dumps(manifest, indent=1, sort_keys=True).encode()
         self.storage.write_file(self.path / MANIFEST_FILE, [text], self.step)
         self.manifest = manifest
+
+
+def _lower_thread_priority() -> None:
+    """Renice the calling thread if it is a background thread (Linux: niceness is per thread).
+
+    DCP's async executor starts a fresh thread for each save, so the change
+    dies with that thread; the training (main) thread is never touched.
+    """
+    if threading.current_thread() is threading.main_thread() or not hasattr(os, "setpriority"):
+        return
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + BACKGROUND_NICE))
+    except OSError as exc:  # not permitted in some containers: run at normal priority
+        log.debug("could not lower checkpoint writer priority: %s", exc)
 
 
 def read_manifest(path: str | Path) -> dict[str, Any]:
