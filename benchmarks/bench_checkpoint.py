@@ -72,6 +72,7 @@ def _rank_main(args: argparse.Namespace) -> None:
     from elastic.events import EventLog, read_events
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    load_start = os.getloadavg()[0]
     dist.init_process_group("gloo", timeout=timedelta(seconds=600))
     rank, world = dist.get_rank(), dist.get_world_size()
     num_layers = max(1, round(args.mb * 1e6 / ((DIM * DIM + DIM) * 4)))
@@ -111,7 +112,8 @@ def _rank_main(args: argparse.Namespace) -> None:
     events = EventLog(events_path, f"bench/rank{rank}")
     group = dist.new_group(backend="gloo", timeout=timedelta(seconds=600))
     sync_mgr = CheckpointManager(CheckpointConfig(keep_last=1, async_save=False), root / "sync", events=events, group=group)
-    async_mgr = CheckpointManager(CheckpointConfig(keep_last=1), root / "async", events=events, group=group)
+    async_cfg = CheckpointConfig(keep_last=1, writer_nice=args.writer_nice)
+    async_mgr = CheckpointManager(async_cfg, root / "async", events=events, group=group)
     state = {"app": App()}
 
     for _ in range(2):
@@ -153,6 +155,8 @@ def _rank_main(args: argparse.Namespace) -> None:
             "param_mb": round(sum(p.numel() for p in model.parameters()) * 4 / 1e6, 1),
             "saved_mb_total": round(statistics.median(e["bytes"] for e in async_commits) / 1e6, 1),
             "omp_threads": torch.get_num_threads(),
+            "writer_nice": args.writer_nice,
+            "host_load_avg_1m_start_end": [round(load_start, 2), round(os.getloadavg()[0], 2)],
             "blocking_s": {
                 "sync_save": [round(v, 3) for v in sync_block],
                 "async_save": [round(v, 3) for v in async_block],
@@ -228,6 +232,7 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--dir", default="/tmp/bench-ckpt")
     parser.add_argument("--hf-probe", action="store_true")
+    parser.add_argument("--writer-nice", type=int, default=0, help="CheckpointConfig.writer_nice for the async saves")
     args = parser.parse_args()
     if "RANK" not in os.environ:
         shutil.rmtree(args.dir, ignore_errors=True)

@@ -295,7 +295,9 @@ class CheckpointManager:
                 buf = io.BytesIO()
                 torch.save(extra, buf)
                 blob = buf.getvalue()
-            writer = SafetensorsShardWriter(tmp, step, self._rank, storage_for_save(self.storage, self._rank), blob)
+            writer = SafetensorsShardWriter(
+                tmp, step, self._rank, storage_for_save(self.storage, self._rank), blob, nice=self.config.writer_nice
+            )
             if self.config.async_save:
                 upload = dcp.async_save(
                     state, storage_writer=writer, process_group=self.group, no_dist=not dist.is_initialized()

@@ -19,9 +19,14 @@ class CheckpointConfig:
     """Verify per-file sha256 before loading."""
     async_save: bool = True
     """Persist in a background thread (training blocks only for staging); False: write inline."""
+    writer_nice: int = 0
+    """Niceness added to the background writer thread (0-19), so persisting yields CPU to training.
+    Useful on dedicated nodes; on a shared host it can starve the save behind unrelated work."""
 
     def __post_init__(self) -> None:
         if self.interval_steps < 0:
             raise ConfigError("interval_steps", "must be >= 0")
         if self.keep_last < 1:
             raise ConfigError("keep_last", "must be >= 1")
+        if not 0 <= self.writer_nice <= 19:
+            raise ConfigError("writer_nice", "must be in 0..19")

@@ -70,9 +70,6 @@ from elastic.checkpoint_storage import CheckpointStorage, LocalStorage
 
 log = logging.getLogger(__name__)
 
-BACKGROUND_NICE = 10
-"""Niceness added to a background writer thread, so persisting yields the CPU to training."""
-
 MANIFEST_FILE = "manifest.json"
 FORMAT_NAME = "elastic-safetensors-v1"
 EXTRA_KEY = "__extra__"
@@ -150,7 +147,13 @@ class SafetensorsShardWriter(StorageWriter):
     """
 
     def __init__(
-        self, path: str | Path, step: int, rank: int, storage: CheckpointStorage | None = None, extra: bytes = b""
+        self,
+        path: str | Path,
+        step: int,
+        rank: int,
+        storage: CheckpointStorage | None = None,
+        extra: bytes = b"",
+        nice: int = 0,
     ) -> None:
         super().__init__()
         self.path = Path(path)
@@ -158,6 +161,7 @@ class SafetensorsShardWriter(StorageWriter):
         self.rank = rank
         self.storage = storage or LocalStorage()
         self.extra = extra
+        self.nice = nice
         self.is_coordinator = False
         self.manifest: dict[str, Any] | None = None
 
@@ -183,7 +187,8 @@ class SafetensorsShardWriter(StorageWriter):
         ]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        _lower_thread_priority()
+        if self.nice:
+            _lower_thread_priority(self.nice)
         file_name = plan.storage_data["file"]
         entries: list[tuple[str, torch.Tensor]] = []
         results: list[WriteResult] = []
@@ -266,7 +271,7 @@ class SafetensorsShardWriter(StorageWriter):
         self.manifest = manifest
 
 
-def _lower_thread_priority() -> None:
+def _lower_thread_priority(increment: int) -> None:
     """Renice the calling thread if it is a background thread (Linux: niceness is per thread).
 
     DCP's async executor starts a fresh thread for each save, so the change
@@ -276,7 +281,7 @@ def _lower_thread_priority() -> None:
         return
     try:
         tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + BACKGROUND_NICE))
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + increment))
     except OSError as exc:  # not permitted in some containers: run at normal priority
         log.debug("could not lower checkpoint writer priority: %s", exc)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import threading
 
 import pytest
@@ -140,6 +141,26 @@ def test_encoder_output_is_read_by_the_safetensors_library(tmp_path):
             got = fh.get_tensor(key)
             assert got.dtype == want.dtype and got.shape == want.shape
             assert torch.equal(got.reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)), key
+
+
+def test_writer_nice_applies_to_background_threads_only():
+    from elastic.checkpoint_format import _lower_thread_priority
+
+    main_before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    _lower_thread_priority(3)
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == main_before
+    seen = {}
+
+    def background():
+        tid = threading.get_native_id()
+        before = os.getpriority(os.PRIO_PROCESS, tid)
+        _lower_thread_priority(3)
+        seen["delta"] = os.getpriority(os.PRIO_PROCESS, tid) - before
+
+    thread = threading.Thread(target=background)
+    thread.start()
+    thread.join()
+    assert seen["delta"] == 3 or os.getpriority(os.PRIO_PROCESS, 0) + 3 > 19
 
 
 def test_async_save_returns_before_persist_and_round_trips(tmp_path):

@@ -13,7 +13,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -30,24 +29,18 @@ def _free_port() -> int:
 
 
 def run_ranks(scenario: str, world: int, workdir: Path, env: dict[str, str], timeout: float = 60.0) -> list[int]:
-    """Run ``scenario`` on ``world`` ranks; return exit codes (ranks killed on timeout)."""
-    port = _free_port()
-    procs = []
-    for rank in range(world):
-        rank_env = dict(env, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        log = open(workdir / f"{scenario}-w{world}-rank{rank}.log", "w")
-        procs.append(subprocess.Popen([sys.executable, str(WORKER), scenario, str(workdir)], env=rank_env,
-                                      stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
-    deadline = time.monotonic() + timeout
-    codes = []
-    for proc in procs:
-        try:
-            codes.append(proc.wait(timeout=max(0.1, deadline - time.monotonic())))
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            codes.append(proc.wait())
-    return codes
+    """Run ``scenario`` on ``world`` ranks; return their exit codes (all killed on timeout)."""
+    proc = subprocess.Popen([sys.executable, str(WORKER), scenario, str(world), str(workdir), str(_free_port())],
+                            env=env, start_new_session=True)
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        return [-9] * world
+    codes = workdir / f"{scenario}-w{world}.codes"
+    assert codes.exists(), f"launcher exited {proc.returncode} without codes\n" + _logs(workdir, scenario)
+    return [int(c) for c in codes.read_text().split()]
 
 
 def _logs(workdir: Path, scenario: str) -> str:

@@ -1,9 +1,9 @@
 """Rank program for the multi-process checkpoint tests (no tests of its own).
 
-Run by ``tests/test_checkpoint_multiproc.py`` as one process per rank with
-``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` set::
+Run by ``tests/test_checkpoint_multiproc.py``; this process imports torch
+once and forks one child per rank (with ``RANK``/``WORLD_SIZE``/``MASTER_*``)::
 
-    python tests/test_checkpoint_worker.py SCENARIO WORKDIR
+    python tests/test_checkpoint_worker.py SCENARIO WORLD WORKDIR PORT
 
 Each scenario asserts what it can see from inside a rank and writes events to
 ``WORKDIR/events-rank<R>.jsonl``; the pytest side checks exit codes, event
@@ -325,9 +325,41 @@ SCENARIOS = {
 }
 
 
+def run_forked(scenario: str, world: int, workdir: Path, port: int) -> None:
+    """Fork one child per rank from this already-imported interpreter (saves a torch import
+    per rank); write the ranks' exit codes to WORKDIR/<scenario>-w<world>.codes."""
+    children = {}
+    for rank in range(world):
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                log = os.open(workdir / f"{scenario}-w{world}-rank{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+                os.dup2(log, 1)
+                os.dup2(log, 2)
+                os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                                  MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+                torch.set_num_threads(1)
+                dist.init_process_group("gloo", timeout=timedelta(seconds=30))
+                SCENARIOS[scenario](workdir)
+                dist.barrier()
+                dist.destroy_process_group()
+                code = 0
+            except BaseException:
+                import traceback
+
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        children[pid] = rank
+    codes = [None] * world
+    for _ in range(world):
+        pid, status = os.wait()
+        codes[children[pid]] = os.waitstatus_to_exitcode(status)
+    (workdir / f"{scenario}-w{world}.codes").write_text(" ".join(str(c) for c in codes))
+
+
 if __name__ == "__main__":
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=timedelta(seconds=30))
-    SCENARIOS[sys.argv[1]](Path(sys.argv[2]))
-    dist.barrier()
-    dist.destroy_process_group()
+    run_forked(sys.argv[1], int(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4]))
