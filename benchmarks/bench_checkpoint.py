@@ -232,7 +232,7 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--dir", default="/tmp/bench-ckpt")
     parser.add_argument("--hf-probe", action="store_true")
-    parser.add_argument("--writer-nice", type=int, default=0, help="CheckpointConfig.writer_nice for the async saves")
+    parser.add_argument("--writer-nice", type=int, default=10, help="CheckpointConfig.writer_nice for the async saves")
     args = parser.parse_args()
     if "RANK" not in os.environ:
         shutil.rmtree(args.dir, ignore_errors=True)

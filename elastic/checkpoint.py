@@ -333,8 +333,14 @@ class CheckpointManager:
         Never raises; a failure is in ``last_error`` and the event log.
         """
         inflight, self._inflight = self._inflight, None
-        if inflight is not None:
+        if inflight is None:
+            return
+        try:
             inflight.result()
+        except _FAILURES as exc:  # a bug in finalize itself: still never into training
+            self.last_error = exc
+            log.exception("checkpoint finalize thread failed")
+            self.events.emit("checkpoint.finalize_error", **_error_fields(exc))
 
     def close(self) -> None:
         """Wait for the in-flight save and stop the background thread (idempotent)."""
