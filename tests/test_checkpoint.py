@@ -284,3 +284,25 @@ def test_publish_failure_is_an_event_not_fatal(tmp_path):
     failed = [e for e in read_events([tmp_path / "events.jsonl"]) if e["kind"] == "checkpoint.publish_failed"]
     assert failed and "etcd down" in failed[0]["error"]
     mgr.close()
+
+
+def test_checkpoint_that_verifies_but_cannot_load_is_skipped(tmp_path):
+    """Checksums fine, but the newest checkpoint lacks the requested keys: reported, older one loaded."""
+    mgr, _ = _manager(tmp_path)
+    model, optim = _trained()
+    want = _flat(model, optim)
+    mgr.save(1, _state(model, optim))
+    mgr.save(2, {"something_else": {"w": torch.ones(3)}})
+    mgr.wait()
+    mgr.verify(2)  # intact on disk
+    fresh_model, fresh_optim = _trained(seed=3, steps=1)
+    state = _state(fresh_model, fresh_optim)
+    step, _ = mgr.load_latest(state)
+    fresh_model.load_state_dict(state["model"])
+    fresh_optim.load_state_dict(state["optim"])
+    assert step == 1
+    got = _flat(fresh_model, fresh_optim)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    skipped = [e for e in read_events([tmp_path / "events.jsonl"]) if e["kind"] == "checkpoint.skipped_corrupt"]
+    assert [e["step"] for e in skipped] == [2] and skipped[0]["reason"].startswith("load failed")
+    mgr.close()

@@ -21,16 +21,18 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import torch
-import torch.distributed as dist
-from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.checkpoint.stateful import Stateful
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
-
+# Before torch: importing torch.distributed loads the ``torchrun.handlers`` entry point,
+# which imports ``elastic`` from wherever the project is installed, not this checkout.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict  # noqa: E402
+from torch.distributed.checkpoint.stateful import Stateful  # noqa: E402
+from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
+from torch.distributed.fsdp import fully_shard  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
 
 from elastic.checkpoint import CheckpointConfig, CheckpointManager  # noqa: E402
 from elastic.checkpoint_publish import EtcdCheckpointPublisher, read_latest  # noqa: E402
