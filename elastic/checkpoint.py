@@ -1,44 +1,112 @@
-"""Checkpoint manager: DCP checkpoints with an atomic commit.
+"""Checkpoint manager: async DCP saves, safetensors on disk, atomic commit.
 
-Layout under ``CheckpointConfig.dir``::
+Layout under the checkpoint root::
 
-    step-00000040/            committed checkpoint (DCP files + COMMIT marker)
-        .metadata, __0_0.distcp, ...
-        extra-rank00000.pt    per-rank state that DCP cannot merge (RNG, ...)
-        COMMIT                JSON: step, world size, fingerprint, sha256 per file
-    .step-00000050.tmp-XXXX/  a save in progress; never loaded, removed on start
+    step-00000040/              committed checkpoint
+        shard-00000.safetensors   rank 0's tensor chunks, non-tensor values, extra blob
+        shard-00001.safetensors   ...
+        manifest.json             global shapes + chunk offsets (reshard), file checksums
+        COMMIT                    JSON: step, world size, fingerprint, sha256 + size per file
+    .step-00000050.tmp-XXXXXXXX/  a save in progress; never loaded, removed at start-up
+
+(The shard/manifest format and why it is not DCP's HF writer: see
+:mod:`elastic.checkpoint_format`.)
+
+Life of a save
+--------------
+``save()`` runs on the training thread: it waits for the previous save to be
+committed or failed, serializes this rank's ``extra``, and calls
+``dcp.async_save``, which copies the state to CPU ("staging") before it
+returns, so the optimizer may mutate the weights as soon as ``save()``
+returns.  Everything else happens on background threads: DCP's upload thread
+plans, writes this rank's shard and gathers every rank's write results to the
+coordinator, which writes the manifest; then the manager's finalize thread
+(rank 0) writes the COMMIT marker, renames the temporary directory into
+place, publishes the step, and applies retention.
+
+The cross-rank "all ranks finished writing" signal is DCP's own final
+collective, not an extra barrier or marker files: ``_save_state_dict`` ends
+with ``all_reduce("write", write_data, finish)``, which gathers every rank's
+write results (each produced only after that rank's shard was written and
+fsynced) to the coordinator, runs ``finish`` there, and broadcasts the
+outcome, so an exception on any rank fails the future on every rank.  Rank 0
+therefore commits only after its future resolved successfully.  The sha256
+of each shard is computed while it is written and travels in those results,
+so the commit does not re-read the checkpoint.
+
+That collective runs on ``group`` from the background thread.  This is safe
+because the group is owned by the manager and used by one thread at a time:
+every method that issues a collective on it (``save``, ``load_latest``,
+``close``, construction) first waits for the in-flight save.  The group must
+not be the training process group: FSDP's collectives would interleave with
+the checkpoint's (measured: gloo "collective mismatch" abort).  With
+``group=None`` the manager creates its own gloo group (construction is
+collective anyway).
 
 A checkpoint becomes visible only by the rename of its temporary directory,
-which happens after every rank has finished writing and rank 0 has written
-the COMMIT marker.  A reader only considers directories that have a COMMIT
-marker whose checksums match, newest first, so a partial, corrupt or foreign
-(different config fingerprint) checkpoint is reported and skipped; a good
-checkpoint is never replaced by a partial one.
+after the COMMIT marker is written.  Loaders consider only directories with a
+COMMIT marker whose checksums, sizes and fingerprint match, newest first; a
+corrupt, partial or foreign checkpoint is reported
+(``checkpoint.skipped_corrupt``) and skipped.  Save failures (a full disk, a
+rank dying mid-save) never raise into training: they become
+``checkpoint.save_failed`` events, an error log line and ``last_error``; the
+previous checkpoint stays the newest valid one and the temporary directory is
+removed by rank 0.
+
+Per-rank ``extra`` state (RNG...) is restored to the rank with the same index.
+When a checkpoint saved by N ranks is loaded by M > N ranks, ranks N..M-1 get
+an empty dict (``checkpoint.loaded`` says ``extra_found: false``) and must
+derive their RNG state from the seed, step and rank themselves.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
+import io
 import json
 import logging
 import os
 import re
-import shutil
+import time
 import uuid
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from elastic.checkpoint_config import CheckpointConfig
+from elastic.checkpoint_format import MANIFEST_FILE, SafetensorsShardReader, SafetensorsShardWriter, read_extra, read_manifest
+from elastic.checkpoint_publish import EtcdCheckpointPublisher, publisher_from_env
+from elastic.checkpoint_storage import CheckpointStorage, LocalStorage, storage_for_save
 from elastic.events import EventLog
+
+__all__ = [
+    "COMMIT_FILE",
+    "CheckpointConfig",
+    "CheckpointCorrupt",
+    "CheckpointError",
+    "CheckpointManager",
+    "EtcdCheckpointPublisher",
+    "publisher_from_env",
+    "select_for_deletion",
+    "sha256_file",
+    "step_dir_name",
+]
 
 log = logging.getLogger(__name__)
 
+# DCP's CheckpointException derives from BaseException, not Exception.
+_FAILURES = (Exception, CheckpointException)
+
 COMMIT_FILE = "COMMIT"
 _STEP_RE = re.compile(r"^step-(\d{8})$")
+_STALE_GLOBS = (".step-*.tmp-*", ".step-*.old-*")
 
 
 class CheckpointError(RuntimeError):
@@ -66,8 +134,16 @@ def _broadcast_obj(obj: Any, group: dist.ProcessGroup | None) -> Any:
     if not dist.is_initialized():
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=0, group=group)
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
     return box[0]
+
+
+def _all_true(flag: bool, group: dist.ProcessGroup | None) -> bool:
+    if not dist.is_initialized():
+        return flag
+    value = torch.tensor([1 if flag else 0], dtype=torch.int32)
+    dist.all_reduce(value, op=dist.ReduceOp.MIN, group=group)
+    return bool(value.item())
 
 
 def sha256_file(path: Path) -> str:
@@ -82,13 +158,66 @@ def step_dir_name(step: int) -> str:
     return f"step-{step:08d}"
 
 
+def select_for_deletion(steps: Iterable[int], keep_last: int, protect: Iterable[int] = ()) -> list[int]:
+    """Committed steps retention removes: all but the newest ``keep_last``.
+
+    The newest step and every step in ``protect`` (the one just committed) are
+    never returned, whatever ``keep_last`` says.
+    """
+    ordered = sorted(set(steps))
+    if not ordered:
+        return []
+    keep = set(ordered[-max(1, keep_last):]) | set(protect) | {ordered[-1]}
+    return [step for step in ordered if step not in keep]
+
+
+def _root_cause(exc: BaseException) -> BaseException:
+    """The first OSError under ``exc`` (through DCP's per-rank failures and causes), else ``exc``."""
+    seen: set[int] = set()
+    stack: list[BaseException] = [exc]
+    while stack:
+        cur = stack.pop()
+        if id(cur) in seen:
+            continue
+        seen.add(id(cur))
+        if isinstance(cur, OSError) and cur.errno is not None:
+            return cur
+        # DCP's CheckpointException keeps per-rank failures as (exception, traceback) pairs.
+        for failure in getattr(cur, "failures", {}).values():
+            inner = failure[0] if isinstance(failure, tuple) else failure
+            if isinstance(inner, BaseException):
+                stack.append(inner)
+        stack.extend(nxt for nxt in (cur.__cause__, cur.__context__) if nxt is not None)
+    return exc
+
+
+def _error_fields(exc: BaseException) -> dict[str, Any]:
+    """Event fields for a failure: one-line ``error`` and, for an OSError, its ``errno`` name."""
+    root = _root_cause(exc)
+    first_line = (str(root).strip().splitlines() or [""])[0]
+    text = f"{type(root).__name__}: {first_line}"
+    if root is not exc:
+        ranks = sorted(getattr(exc, "failures", {}))
+        text = f"{type(exc).__name__}" + (f" on ranks {ranks}" if ranks else "") + f": {text}"
+    fields: dict[str, Any] = {"error": text[:1000]}
+    if isinstance(root, OSError) and root.errno is not None:
+        fields["errno"] = errno.errorcode.get(root.errno, str(root.errno))
+    return fields
+
+
 class CheckpointManager:
     """Save and load committed checkpoints of a set of DCP-stateful objects.
 
     ``state`` passed to :meth:`save` / :meth:`load_latest` maps names to
     objects with ``state_dict()`` / ``load_state_dict()`` (DCP ``Stateful``)
     or plain dicts of tensors.  ``extra`` is per-rank picklable state
-    (RNG states, ...) stored beside the DCP files.
+    (RNG states, ...) stored in the rank's shard.
+
+    ``publisher(step, path)`` is called by rank 0 after each commit (errors are
+    events).  ``storage`` is the write seam; by default local files, wrapped
+    with ``ELASTIC_CKPT_FAIL_WRITE`` fault injection when that is set.
+    Construction, :meth:`save`, :meth:`load_latest` and :meth:`close` are
+    collective over ``group``.
     """
 
     def __init__(
@@ -98,16 +227,28 @@ class CheckpointManager:
         fingerprint: str = "",
         events: EventLog | None = None,
         group: dist.ProcessGroup | None = None,
+        publisher: Callable[[int, str], None] | None = None,
+        storage: CheckpointStorage | None = None,
     ) -> None:
+        self._finalizer: ThreadPoolExecutor | None = None
+        self._inflight: Future[None] | None = None
+        self._closed = False
         self.config = config
         self.root = Path(root)
         self.fingerprint = fingerprint
         self.events = events or EventLog(None, "checkpoint")
+        if group is None and dist.is_initialized():
+            group = dist.new_group(backend="gloo")
         self.group = group
-        if _rank() == 0:
+        self.publisher = publisher
+        self.storage: CheckpointStorage = storage or LocalStorage()
+        self.last_error: BaseException | None = None
+        self.last_committed: int | None = None
+        self._rank = _rank()
+        if self._rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
             self._remove_stale_tmp()
-        _barrier(group)
+        _barrier(self.group)
 
     # -- discovery ---------------------------------------------------------
     def committed_steps(self) -> list[int]:
@@ -122,53 +263,176 @@ class CheckpointManager:
         return sorted(steps)
 
     def _remove_stale_tmp(self) -> None:
-        for entry in self.root.glob(".step-*.tmp-*"):
-            shutil.rmtree(entry, ignore_errors=True)
-            self.events.emit("checkpoint.stale_tmp_removed", path=str(entry))
+        for pattern in _STALE_GLOBS:
+            for entry in self.root.glob(pattern):
+                self.storage.remove_tree(entry)
+                self.events.emit("checkpoint.stale_tmp_removed", path=str(entry))
 
     # -- save --------------------------------------------------------------
     def should_save(self, step: int) -> bool:
         return self.config.interval_steps > 0 and step % self.config.interval_steps == 0
 
     def save(self, step: int, state: dict[str, Any], extra: dict[str, Any] | None = None) -> Path:
-        """Collective: write, verify-by-checksum and atomically commit checkpoint ``step``."""
+        """Collective: snapshot ``state`` and persist + commit it as checkpoint ``step``.
+
+        Returns once the state is staged (copied); persisting and committing run
+        in the background (synchronously if ``config.async_save`` is false).
+        Never raises for I/O failures: see :meth:`wait` and ``last_error``.
+        """
+        if self._closed:
+            raise CheckpointError("save() after close()")
+        t_enter = time.monotonic()
+        self.wait()
+        waited_s = time.monotonic() - t_enter
         final = self.root / step_dir_name(step)
-        tmp_name = _broadcast_obj(f".{final.name}.tmp-{uuid.uuid4().hex[:8]}" if _rank() == 0 else None, self.group)
-        tmp = self.root / tmp_name
-        self.events.emit("checkpoint.save_start", step=step)
-        dcp.save(state, checkpoint_id=str(tmp), process_group=self.group)
-        torch.save(extra or {}, tmp / f"extra-rank{_rank():05d}.pt")
-        _barrier(self.group)
-        if _rank() == 0:
-            self._commit(tmp, final, step)
-        _barrier(self.group)
-        self.events.emit("checkpoint.committed", step=step, path=str(final))
-        if _rank() == 0:
-            self._retain()
+        token = _broadcast_obj(uuid.uuid4().hex[:8] if self._rank == 0 else None, self.group)
+        tmp = self.root / f".{final.name}.tmp-{token}"
+        self.events.emit("checkpoint.save_start", step=step, path=str(tmp), waited_s=round(waited_s, 6))
+        t0 = time.monotonic()
+        try:
+            blob = b""
+            if extra:
+                buf = io.BytesIO()
+                torch.save(extra, buf)
+                blob = buf.getvalue()
+            writer = SafetensorsShardWriter(
+                tmp, step, self._rank, storage_for_save(self.storage, self._rank), blob, nice=self.config.writer_nice
+            )
+            if self.config.async_save:
+                upload = dcp.async_save(
+                    state, storage_writer=writer, process_group=self.group, no_dist=not dist.is_initialized()
+                )
+                if not isinstance(upload, Future):  # AsyncSaveResponse (only with async stagers)
+                    upload.staging_completion.result()
+                    upload = upload.upload_completion
+            else:
+                upload = Future()
+                try:
+                    upload.set_result(
+                        dcp.save(state, storage_writer=writer, process_group=self.group, no_dist=not dist.is_initialized())
+                    )
+                except _FAILURES as exc:  # reported by _finalize like an async failure
+                    upload.set_exception(exc)
+        except _FAILURES as exc:
+            # Staging failed on this rank (e.g. out of host memory).  Peers that staged
+            # fine fail in their DCP collective (group timeout) and report it themselves.
+            self._record_failure(step, tmp, exc, phase="stage")
+            return final
+        blocking_s = time.monotonic() - t0
+        self.events.emit("checkpoint.staged", step=step, blocking_s=round(blocking_s, 6))
+        if self._finalizer is None:
+            self._finalizer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-finalize")
+        self._inflight = self._finalizer.submit(self._finalize, step, upload, tmp, final, t0)
+        if not self.config.async_save:
+            self.wait()
         return final
 
-    def _commit(self, tmp: Path, final: Path, step: int) -> None:
-        files = {p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file()}
-        marker = {"step": step, "world_size": _world(), "fingerprint": self.fingerprint, "files": files}
-        marker_tmp = tmp / (COMMIT_FILE + ".tmp")
-        with open(marker_tmp, "w", encoding="utf-8") as fh:
-            fh.write(json.dumps(marker, indent=1))
-            fh.flush()
-            os.fsync(fh.fileno())
-        marker_tmp.rename(tmp / COMMIT_FILE)
-        if final.exists():  # re-save of the same step after a rollback: replace atomically
+    def wait(self) -> None:
+        """Block until the in-flight save (if any) is committed or has failed.
+
+        Never raises; a failure is in ``last_error`` and the event log.
+        """
+        inflight, self._inflight = self._inflight, None
+        if inflight is None:
+            return
+        try:
+            inflight.result()
+        except _FAILURES as exc:  # a bug in finalize itself: still never into training
+            self.last_error = exc
+            log.exception("checkpoint finalize thread failed")
+            self.events.emit("checkpoint.finalize_error", **_error_fields(exc))
+
+    def close(self) -> None:
+        """Wait for the in-flight save and stop the background thread (idempotent)."""
+        if getattr(self, "_closed", True):
+            return
+        self.wait()
+        if self._finalizer is not None:
+            self._finalizer.shutdown(wait=True)
+            self._finalizer = None
+        self._closed = True
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def _finalize(self, step: int, upload: Future, tmp: Path, final: Path, t0: float) -> None:
+        """Background: wait for DCP's upload, then (rank 0) commit, publish, retain."""
+        try:
+            upload.result()
+            if self._rank != 0:
+                self.events.emit("checkpoint.persisted", step=step, persist_s=round(time.monotonic() - t0, 6))
+                return
+            nbytes = self._commit(tmp, final, step)
+        except _FAILURES as exc:
+            self._record_failure(step, tmp, exc, phase="persist")
+            return
+        self.last_committed = step
+        self.events.emit(
+            "checkpoint.committed", step=step, path=str(final), persist_s=round(time.monotonic() - t0, 6), bytes=nbytes
+        )
+        log.info("checkpoint step %d committed (%d bytes) at %s", step, nbytes, final)
+        if self.publisher is not None:
+            try:
+                self.publisher(step, str(final))
+                self.events.emit("checkpoint.published", step=step)
+            except _FAILURES as exc:
+                log.warning("publishing checkpoint step %d failed: %s", step, exc)
+                self.events.emit("checkpoint.publish_failed", step=step, **_error_fields(exc))
+        self._retain(protect=step)
+
+    def _record_failure(self, step: int, tmp: Path, exc: BaseException, phase: str) -> None:
+        self.last_error = exc
+        fields = _error_fields(exc)
+        log.error("checkpoint save of step %d failed (%s): %s", step, phase, fields["error"])
+        self.events.emit("checkpoint.save_failed", step=step, phase=phase, **fields)
+        if self._rank == 0:  # rank 0 owns the directory; peers are done with it (DCP failed everywhere)
+            self.storage.remove_tree(tmp)
+
+    def _commit(self, tmp: Path, final: Path, step: int) -> int:
+        manifest = read_manifest(tmp)
+        files: dict[str, dict[str, Any]] = {}
+        for name, info in manifest["files"].items():
+            size = (tmp / name).stat().st_size
+            if size != info["bytes"]:
+                raise CheckpointError(f"{tmp.name}/{name}: {size} bytes on disk, writer reported {info['bytes']}")
+            files[name] = {"sha256": info["sha256"], "bytes": size}
+        files[MANIFEST_FILE] = {"sha256": sha256_file(tmp / MANIFEST_FILE), "bytes": (tmp / MANIFEST_FILE).stat().st_size}
+        marker = {
+            "step": step,
+            "world_size": manifest["world_size"],
+            "fingerprint": self.fingerprint,
+            "ts": time.time(),
+            "files": files,
+        }
+        text = json.dumps(marker, indent=1, sort_keys=True).encode()
+        self.storage.write_file(tmp / (COMMIT_FILE + ".tmp"), [text], step)
+        (tmp / (COMMIT_FILE + ".tmp")).rename(tmp / COMMIT_FILE)
+        if final.exists():  # re-save of the same step after a rollback: swap, then drop the old one
             old = self.root / f".{final.name}.old-{uuid.uuid4().hex[:8]}"
             final.rename(old)
             tmp.rename(final)
-            shutil.rmtree(old, ignore_errors=True)
+            self.storage.remove_tree(old)
         else:
             tmp.rename(final)
         _fsync_dir(self.root)
+        return sum(info["bytes"] for info in files.values()) + len(text)
 
-    def _retain(self) -> None:
-        steps = self.committed_steps()
-        for step in steps[: -self.config.keep_last]:
-            shutil.rmtree(self.root / step_dir_name(step), ignore_errors=True)
+    def _retain(self, protect: int) -> None:
+        """Runs on the finalize thread; a failed delete is logged and skipped."""
+        for step in select_for_deletion(self.committed_steps(), self.config.keep_last, protect=(protect,)):
+            path = self.root / step_dir_name(step)
+            try:
+                # Hide it first (a reader never sees a half-deleted checkpoint), then delete.
+                doomed = self.root / f".{path.name}.old-{uuid.uuid4().hex[:8]}"
+                path.rename(doomed)
+                self.storage.remove_tree(doomed)
+            except OSError as exc:
+                log.warning("retention could not delete %s: %s", path, exc)
+                self.events.emit("checkpoint.delete_failed", step=step, **_error_fields(exc))
+                continue
             self.events.emit("checkpoint.deleted", step=step)
 
     # -- load --------------------------------------------------------------
@@ -176,47 +440,86 @@ class CheckpointManager:
         """Return the COMMIT marker of ``step`` or raise CheckpointCorrupt."""
         path = self.root / step_dir_name(step)
         try:
-            marker = json.loads((path / COMMIT_FILE).read_text())
-        except (OSError, json.JSONDecodeError) as exc:
+            marker = json.loads((path / COMMIT_FILE).read_text(encoding="utf-8"))
+            files = marker["files"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
             raise CheckpointCorrupt(f"{path.name}: unreadable commit marker ({exc})") from exc
+        if marker.get("step") != step:
+            raise CheckpointCorrupt(f"{path.name}: commit marker is for step {marker.get('step')}")
         if self.fingerprint and marker.get("fingerprint") != self.fingerprint:
             raise CheckpointCorrupt(f"{path.name}: written by a different run config (fingerprint mismatch)")
-        if self.config.verify_on_load:
-            for name, digest in marker.get("files", {}).items():
-                file = path / name
-                if not file.exists():
-                    raise CheckpointCorrupt(f"{path.name}: missing file {name}")
-                if sha256_file(file) != digest:
-                    raise CheckpointCorrupt(f"{path.name}: checksum mismatch in {name}")
+        if MANIFEST_FILE not in files:
+            raise CheckpointCorrupt(f"{path.name}: commit marker lists no {MANIFEST_FILE}")
+        for name, info in files.items():
+            file = path / name
+            if not file.is_file():
+                raise CheckpointCorrupt(f"{path.name}: missing file {name}")
+            if file.stat().st_size != info["bytes"]:
+                raise CheckpointCorrupt(f"{path.name}: size mismatch in {name} (truncated?)")
+            if self.config.verify_on_load and sha256_file(file) != info["sha256"]:
+                raise CheckpointCorrupt(f"{path.name}: checksum mismatch in {name}")
         return marker
+
+    def _pick(self, rejected: set[int]) -> int | None:
+        """Rank 0: newest committed step that verifies, reporting each one skipped."""
+        for step in reversed(self.committed_steps()):
+            if step in rejected:
+                continue
+            try:
+                self.verify(step)
+            except CheckpointCorrupt as exc:
+                self._report_skipped(step, str(exc))
+                rejected.add(step)
+                continue
+            return step
+        return None
+
+    def _report_skipped(self, step: int, reason: str) -> None:
+        log.error("skipping checkpoint step %d: %s", step, reason)
+        self.events.emit("checkpoint.skipped_corrupt", step=step, reason=reason)
 
     def load_latest(self, state: dict[str, Any]) -> tuple[int, dict[str, Any]] | None:
         """Collective: load the newest verified checkpoint into ``state``.
 
-        Returns (step, this rank's extra state) or None if no usable
-        checkpoint exists.  Rank 0 verifies and picks the step, so every rank
-        loads the same one.
+        Returns (step, this rank's extra state) or None if no usable checkpoint
+        exists.  Rank 0 verifies and picks the step, so every rank loads the
+        same one; if loading it fails on any rank, every rank moves on to the
+        next older one (``state`` is then overwritten again by that load).
         """
-        chosen = None
-        if _rank() == 0:
-            for step in reversed(self.committed_steps()):
-                try:
-                    self.verify(step)
-                except CheckpointCorrupt as exc:
-                    log.error("skipping checkpoint: %s", exc)
-                    self.events.emit("checkpoint.skipped_corrupt", step=step, reason=str(exc))
-                    continue
-                chosen = step
-                break
-        chosen = _broadcast_obj(chosen, self.group)
-        if chosen is None:
-            return None
-        path = self.root / step_dir_name(chosen)
-        dcp.load(state, checkpoint_id=str(path), process_group=self.group)
-        extra_file = path / f"extra-rank{_rank():05d}.pt"
-        extra = torch.load(extra_file, weights_only=False) if extra_file.exists() else {}
-        self.events.emit("checkpoint.loaded", step=chosen, path=str(path))
-        return chosen, extra
+        self.wait()
+        rejected: set[int] = set()
+        while True:
+            chosen = self._pick(rejected) if self._rank == 0 else None
+            chosen = _broadcast_obj(chosen, self.group)
+            if chosen is None:
+                self.events.emit("checkpoint.none_loaded", rejected=sorted(rejected))
+                return None
+            path = self.root / step_dir_name(chosen)
+            error: BaseException | None = None
+            extra: dict[str, Any] = {}
+            found = False
+            try:
+                dcp.load(
+                    state, storage_reader=SafetensorsShardReader(path), process_group=self.group,
+                    no_dist=not dist.is_initialized(),
+                )
+                blob = read_extra(path, read_manifest(path), self._rank)
+                found = blob is not None
+                if blob:
+                    extra = torch.load(io.BytesIO(blob), weights_only=False)
+            except _FAILURES as exc:
+                error = exc
+            if _all_true(error is None, self.group):
+                marker_world = read_manifest(path)["world_size"]
+                self.events.emit(
+                    "checkpoint.loaded", step=chosen, path=str(path), saved_world_size=marker_world,
+                    world_size=_world(), extra_found=found,
+                )
+                return chosen, extra
+            reason = f"load failed: {_error_fields(error)['error']}" if error else "load failed on another rank"
+            if error is not None or self._rank == 0:
+                self._report_skipped(chosen, reason)
+            rejected.add(chosen)
 
 
 def _fsync_dir(path: Path) -> None:
