@@ -118,6 +118,7 @@ def fault_metrics(events: list[dict], inject: dict) -> dict[str, Any]:
         if after:
             out["recovery_s"] = round(after[0]["ts"] - ts, 3)
             out["recovered_ts"] = after[0]["ts"]
+            out["recovered_step"] = after[0]["step"]
     return out
 
 
@@ -152,11 +153,15 @@ def check_run(run_dir: Path, expect: Expectation, baseline_checksum: str | None,
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
     injects = [e for e in events if e.get("kind") == "chaos.inject"]
     missed = [e for e in events if e.get("kind") == "chaos.not_injected"]
+    failed = [e for e in missed if e.get("trigger_reached", True)]
     inv: list[Invariant] = []
 
-    inv.append(Invariant("faults_injected", not missed,
-                         f"{len(injects)} injected" + (f"; not injected: {[(m['fault'], m['reason']) for m in missed]}"
-                                                       if missed else "")))
+    detail = f"{len(injects)} injected"
+    if failed:
+        detail += f"; due but not injected: {[(m['fault'], m['reason']) for m in failed]}"
+    if len(missed) > len(failed):
+        detail += f"; {len(missed) - len(failed)} scheduled after the run ended"
+    inv.append(Invariant("faults_injected", not failed, detail))
     done = [e for e in events if e.get("kind") == "trainer.done"]
     last_step = summary.get("last_step", 0)
     rc_ok = expect.launcher_rc is None or launcher_rc == expect.launcher_rc
@@ -184,7 +189,8 @@ def check_run(run_dir: Path, expect: Expectation, baseline_checksum: str | None,
         finite = bool(losses) and all(math.isfinite(v) for v in losses.values())
         inv.append(Invariant("weights_finite", finite and checksum is not None,
                              f"not compared bitwise ({expect.note or 'fault changes the data seen'}); "
-                             f"{len(losses)} final-step losses finite={finite}, checksum={'yes' if checksum else 'no'}"))
+                             f"{len(losses)} final-step losses finite={finite}, "
+                             f"checksum={'yes' if checksum else 'no'}"))
 
     excluded = {e["source"].split("/", 1)[1] for e in events
                 if e.get("kind") == "agent.state" and e.get("state") == "EXCLUDED"}

@@ -66,20 +66,24 @@ def _panel(ax, scenario: dict[str, Any]) -> None:
     res = scenario.get("result", {})
     start = next((e["ts"] for e in events if e.get("kind") == "launcher.start"), events[0]["ts"] if events else 0)
     steps = [e for e in events if e.get("kind") == "trainer.step" and e.get("source") == "trainer/rank0"]
-    ax.plot([e["ts"] - start for e in steps], [e["step"] for e in steps], ".-", ms=3, lw=1, label="rank 0 step")
+    # One line per worker process: a restart starts a new line at its resume step.
+    for i, pid in enumerate(dict.fromkeys(e["pid"] for e in steps)):
+        mine = [e for e in steps if e["pid"] == pid]
+        ax.plot([e["ts"] - start for e in mine], [e["step"] for e in mine], ".-", ms=3, lw=1, color="tab:blue",
+                label="rank 0 steps" if i == 0 else None)
     for i, e in enumerate(e for e in events if e.get("kind") == "chaos.inject"):
         ax.axvline(e.get("injected_ts", e["ts"]) - start, color="red", lw=1.2, label="fault" if i == 0 else None)
         ax.annotate(e["fault"], (e.get("injected_ts", e["ts"]) - start, 0), color="red", fontsize=7,
-                    rotation=90, va="bottom", ha="right")
+                    rotation=90, va="bottom", ha="right" if i % 2 == 0 else "left")
     det = [e for e in events if e.get("kind") in DETECTIONS
            or (e.get("kind") == "agent.state" and e.get("state") == "FAILED")]
     if det:
         ax.plot([e["ts"] - start for e in det], [0.5] * len(det), "v", color="orange", label="detected")
     rec = [f for f in res.get("faults", []) if f.get("recovered_ts")]
     if rec:
-        by_ts = {e["ts"]: e["step"] for e in steps}
-        ax.plot([f["recovered_ts"] - start for f in rec], [by_ts.get(f["recovered_ts"], 0) for f in rec], "o",
+        ax.plot([f["recovered_ts"] - start for f in rec], [f["recovered_step"] for f in rec], "o",
                 color="green", label="recovered")
+    ax.set_xlim(left=0)
     verdict = "PASS" if res.get("ok") else "FAIL"
     ax.set_title(f"{scenario['name']}: {verdict}, goodput {res.get('goodput', 0):.3f}", fontsize=9)
     ax.set_ylabel("step")

@@ -79,6 +79,8 @@ class _Pending:
     index: int
     first_miss: float | None = None
     last_error: str = ""
+    due: bool = False
+    """Its trigger was reached (a fault whose trigger the run never reached is not a failure)."""
 
 
 class ChaosRunner:
@@ -142,7 +144,8 @@ class ChaosRunner:
             events = EventLog(run_dir / "events" / "chaos.jsonl", "chaos")
         for p in pending:
             outcome.missed.append(events.emit("chaos.not_injected", index=p.index, fault=p.spec.fault,
-                                              target=p.spec.target, reason=p.last_error or "run ended first"))
+                                              target=p.spec.target, trigger_reached=p.due,
+                                              reason=p.last_error or "the run ended before its trigger"))
         events.emit("chaos.end", rc=rc, wall_s=outcome.wall_s, timed_out=outcome.timed_out)
         events.close()
         return outcome
@@ -165,6 +168,7 @@ class ChaosRunner:
             if not due:
                 left.append(p)
                 continue
+            p.due = True
             if not p.injector.ready(ctx):
                 # Event-conditioned faults wait (without a deadline) for their moment.
                 p.last_error = "its moment (see the fault's description) never came"
@@ -178,7 +182,8 @@ class ChaosRunner:
                 p.last_error = str(exc)
                 if now - p.first_miss > self.retry_s:
                     outcome.missed.append(events.emit("chaos.not_injected", index=p.index, fault=spec.fault,
-                                                      target=spec.target, reason=p.last_error))
+                                                      target=spec.target, trigger_reached=True,
+                                                      reason=p.last_error))
                 else:
                     left.append(p)
                 continue
