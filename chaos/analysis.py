@@ -94,8 +94,18 @@ def _after(events: list[dict], ts: float, kind: str | tuple[str, ...]) -> list[d
     return [e for e in events if e.get("kind") in kinds and e.get("ts", 0) > ts]
 
 
+FILE_FAULTS = ("nan", "straggler", "ckpt_write_error")
+
+
 def fault_metrics(events: list[dict], inject: dict) -> dict[str, Any]:
     ts = _effective_ts(events, inject)
+    if ts is None:
+        # A planted fault the runtime never acted on: there is nothing to measure (and the
+        # first start of the run is not a "restart" caused by it).
+        return {"fault": inject["fault"], "target": inject["target"], "pids": inject.get("pids", []),
+                "injected_at_step": inject.get("step"), "took_effect": False, "restarted": False,
+                "resume_step": None, "steps_lost": None, "recovery_s": None, "detection_s": None,
+                "detected_by": None}
     steps = [e for e in events if e.get("kind") == "trainer.step"]
     before = max((e["step"] for e in steps if e["ts"] <= ts), default=0)
     starts = _after(events, ts, "trainer.start")
@@ -103,7 +113,7 @@ def fault_metrics(events: list[dict], inject: dict) -> dict[str, Any]:
         e.get("kind") in DETECTION_KINDS or (e.get("kind") == "agent.state" and e.get("state") == "FAILED"))]
     out: dict[str, Any] = {
         "fault": inject["fault"], "target": inject["target"], "pids": inject.get("pids", []),
-        "injected_at_step": inject.get("step"), "fault_ts": ts, "last_step_before": before,
+        "injected_at_step": inject.get("step"), "took_effect": True, "fault_ts": ts, "last_step_before": before,
         "restarted": bool(starts), "resume_step": None, "steps_lost": 0, "recovery_s": None,
         "detection_s": round(detections[0]["ts"] - ts, 3) if detections else None,
         "detected_by": detections[0]["kind"] + (f"/{detections[0].get('state')}" if detections[0].get("state") else "")
@@ -122,15 +132,23 @@ def fault_metrics(events: list[dict], inject: dict) -> dict[str, Any]:
     return out
 
 
-def _effective_ts(events: list[dict], inject: dict) -> float:
-    """When the fault took effect: a file fault's ``fault.fired`` in the worker, else the injection."""
+def _effective_ts(events: list[dict], inject: dict) -> float | None:
+    """When the fault took effect, or None if it never did.
+
+    A file fault takes effect when a worker reports ``fault.fired`` for its
+    file; planted bad hardware when its node is excluded; anything else at
+    the injection itself.
+    """
     ts = inject.get("injected_ts", inject["ts"])
-    file = inject.get("detail", {}).get("file")
-    if file and inject["fault"] in ("nan", "straggler", "ckpt_write_error"):
-        name = Path(file).name
+    detail = inject.get("detail", {})
+    if inject["fault"] in FILE_FAULTS:
+        name = Path(detail.get("file", "")).name
         fired = [e for e in events if e.get("kind") == "fault.fired" and e.get("file") == name]
-        if fired:
-            return fired[0]["ts"]
+        return fired[0]["ts"] if fired else None
+    if inject["fault"] == "bad_hardware":
+        hit = [e for e in events if e.get("source") == f"agent/{detail.get('node')}" and e.get("ts", 0) >= ts
+               and e.get("kind") == "agent.state" and e.get("state") == "EXCLUDED"]
+        return hit[0]["ts"] if hit else None
     return ts
 
 
@@ -215,12 +233,17 @@ def check_run(run_dir: Path, expect: Expectation, baseline_checksum: str | None,
     inv.append(Invariant("no_orphans", not survivors,
                          f"{len(pids)} processes seen, all gone" if not survivors else f"alive: {sorted(survivors)}"))
 
+    metrics = [fault_metrics(events, e) for e in injects]
+    inert = [f"{m['fault']}->{m['target']}" for m in metrics if not m["took_effect"]]
+    inv.insert(1, Invariant("faults_took_effect", not inert,
+                            "every injected fault took effect" if not inert else
+                            f"planted but never acted on by the runtime: {inert}"))
     wall = float(summary.get("wall_s") or 0.0)
     productive, gp = goodput(events, wall)
     return {
         "ok": all(i.ok for i in inv),
         "invariants": [i.to_json() for i in inv],
-        "faults": [fault_metrics(events, e) for e in injects],
+        "faults": metrics,
         "launcher_rc": launcher_rc,
         "last_step": last_step,
         "restarts": summary.get("restarts"),

@@ -31,7 +31,7 @@ def format_table(scenarios: list[dict[str, Any]]) -> str:
     for s in scenarios:
         res = s.get("result", {})
         faults = res.get("faults", [])
-        lost = ",".join(str(f["steps_lost"]) for f in faults) or "-"
+        lost = ",".join("n/a" if f["steps_lost"] is None else str(f["steps_lost"]) for f in faults) or "-"
         rec = ",".join("-" if f["recovery_s"] is None else f"{f['recovery_s']:.1f}" for f in faults) or "-"
         failed = [i["name"] for i in res.get("invariants", []) if not i["ok"]]
         verdict = "PASS" if res.get("ok") else ("XFAIL" if s.get("pending") else "FAIL")

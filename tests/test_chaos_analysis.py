@@ -103,3 +103,20 @@ def test_a_fault_due_but_not_injected_fails_one_scheduled_after_the_end_does_not
     result = check_run(run2, Expectation(steps=10, bitwise=False), None, launcher_rc=0, orphan_wait_s=0.1)
     injected = next(i for i in result["invariants"] if i["name"] == "faults_injected")
     assert not injected["ok"] and "no live worker" in injected["detail"]
+
+
+def test_a_planted_fault_that_never_fired_is_reported_and_not_measured(tmp_path):
+    planted = ev(-1, "chaos.inject", "chaos", P + 99, fault="nan", target="rank0", pids=[], step=0,
+                 detail={"file": "/x/faults/chaos-nan-9.json"}, injected_ts=T0 - 1)
+    events = [planted] + [e for e in killed_run() if e["kind"] != "chaos.inject"]
+    run = write_run(tmp_path, events, {"last_step": 10, "wall_s": 30.0, "nodes": {}})
+    result = check_run(run, Expectation(steps=10, bitwise=False), None, launcher_rc=0, orphan_wait_s=0.1)
+    took = next(i for i in result["invariants"] if i["name"] == "faults_took_effect")
+    assert not took["ok"] and "nan->rank0" in took["detail"]
+    (metrics,) = result["faults"]
+    assert metrics["took_effect"] is False and metrics["steps_lost"] is None and metrics["recovery_s"] is None
+    fired = ev(8.0, "fault.fired", "trainer/rank0", P + 10, fault="nan_loss", step=8, rank=0, file="chaos-nan-9.json")
+    run2 = write_run(tmp_path / "b", events + [fired], {"last_step": 10, "wall_s": 30.0, "nodes": {}})
+    result = check_run(run2, Expectation(steps=10, bitwise=False), None, launcher_rc=0, orphan_wait_s=0.1)
+    (metrics,) = result["faults"]
+    assert metrics["took_effect"] and metrics["fault_ts"] == T0 + 8.0 and metrics["resume_step"] == 4
