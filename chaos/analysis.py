@@ -213,6 +213,9 @@ def check_run(run_dir: Path, expect: Expectation, baseline_checksum: str | None,
     excluded = {e["source"].split("/", 1)[1] for e in events
                 if e.get("kind") == "agent.state" and e.get("state") == "EXCLUDED"}
     excluded |= {n for n, rc in summary.get("nodes", {}).items() if rc == 93}
+    for e in events:
+        if e.get("kind") == "chaos.exclusions":  # the etcd records, as the runner saw them
+            excluded |= set(e.get("nodes", []))
     inv.append(Invariant("excluded_nodes", excluded == set(expect.excluded),
                          f"excluded {sorted(excluded)}, expected {sorted(expect.excluded)}"))
 

@@ -35,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     suite.add_argument("--steps", type=int, default=20)
     suite.add_argument("--out", default="runs/chaos-suite", help="output directory (one run dir per scenario)")
     suite.add_argument("--timeout-s", type=float, default=300.0, help="per-scenario launch timeout")
+    suite.add_argument("--jobs", type=int, default=1, help="scenario launches at a time (each its own cluster)")
     sub.add_parser("list", help="the registered faults and their parameters")
     return p
 
@@ -80,8 +81,10 @@ def _cmd_suite(args: argparse.Namespace) -> int:
     if args.nodes < 2:
         raise ConfigError("--nodes", "the suite needs at least 2 nodes")
     only = tuple(n for n in args.only.split(",") if n)
+    if args.jobs < 1:
+        raise ConfigError("--jobs", "must be >= 1")
     cfg = SuiteConfig(Path(args.out).resolve(), num_nodes=args.nodes, steps=args.steps, only=only,
-                      timeout_s=args.timeout_s)
+                      timeout_s=args.timeout_s, jobs=args.jobs)
     try:
         report = run_suite(cfg, quick=args.quick)
     except ValueError as exc:

@@ -19,6 +19,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +29,7 @@ from chaos.injectors import InjectionContext, Injector, TargetNotFound
 from chaos.plan import FaultSpec
 from elastic.events import EventLog, read_run_events
 from elastic.faults import FAULTS_DIR
+from elastic.naming import run_prefix
 
 CHAOS_DIR = "chaos"
 
@@ -40,6 +42,8 @@ class LaunchSpec:
     run_dir: Path
     nodes: list[str]
     steps: int
+    etcd_prefix: str = ""
+    """The run's root key in etcd (exclusion records live below it)."""
 
 
 def resolve_launch(command: list[str]) -> LaunchSpec:
@@ -59,7 +63,7 @@ def resolve_launch(command: list[str]) -> LaunchSpec:
         raise ValueError("chaos run drives local launches only (no --etcd-endpoint)")
     nodes = [f"node{i}" for i in range(cfg.launch.max_nodes)]
     return LaunchSpec([sys.executable, "-m", "launch", *rest], Path(cfg.run_dir()).resolve(), nodes,
-                      cfg.trainer.steps)
+                      cfg.trainer.steps, run_prefix(cfg.rendezvous.key_prefix, cfg.run.id))
 
 
 @dataclass
@@ -111,6 +115,7 @@ class ChaosRunner:
             proc = subprocess.Popen(self.launch.argv, stdout=log, stderr=subprocess.STDOUT, env=self.env)
         outcome = Outcome(rc=-1, run_dir=run_dir, wall_s=0.0)
         events: EventLog | None = None
+        watcher: ExclusionWatcher | None = None
         try:
             start_event = self._wait_launcher_start(proc)
             follower = RunFollower(run_dir)
@@ -121,6 +126,9 @@ class ChaosRunner:
                 outcome.fired.append(events.emit("chaos.inject", index=p.index, before_launch=True,
                                                  **record.event_fields()))
             ctx = InjectionContext(run_dir, follower, follower.etcd()[1], list(self.launch.nodes))
+            if ctx.endpoint and self.launch.etcd_prefix:
+                watcher = ExclusionWatcher(ctx.endpoint, self.launch.etcd_prefix, events)
+                watcher.start()
             t0 = start_event["ts"] if start_event else time.time()
             while proc.poll() is None:
                 if time.monotonic() - started > self.timeout_s:
@@ -136,6 +144,8 @@ class ChaosRunner:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+            if watcher is not None:
+                watcher.stop()
             for injector in self.injectors:
                 injector.cleanup()
         outcome.rc = rc
@@ -205,3 +215,45 @@ def _clear_chaos_faults(run_dir: Path) -> None:
             os.unlink(path)
         except OSError:
             pass
+
+
+class ExclusionWatcher(threading.Thread):
+    """Copies the run's exclusion records from etcd into ``chaos.exclusions`` events while it runs.
+
+    The embedded etcd is gone once the launch has ended, so the suite's
+    "excluded nodes" invariant reads these events.  Runs in its own thread
+    because an etcd outage (one of the faults) would otherwise stall fault
+    injection; a read that fails is skipped.
+    """
+
+    def __init__(self, endpoint: str, prefix: str, events: EventLog, interval_s: float = 1.0) -> None:
+        super().__init__(daemon=True, name="chaos-exclusions")
+        from elastic.store import EtcdStore
+
+        self.store = EtcdStore(endpoint, request_timeout=1.0, retry_deadline=1.0)
+        self.prefix = f"{prefix}/excluded/"
+        self.events = events
+        self.interval_s = interval_s
+        self._halt = threading.Event()
+        self.seen: dict[str, str] = {}
+
+    def run(self) -> None:
+        from elastic.store import StoreError
+
+        while not self._halt.is_set():
+            try:
+                records = {kv.key[len(self.prefix):]: _text(kv.value) for kv in self.store.get_prefix(self.prefix)}
+            except StoreError:
+                records = self.seen
+            if records != self.seen:
+                self.seen = records
+                self.events.emit("chaos.exclusions", nodes=sorted(records), records=records)
+            self._halt.wait(self.interval_s)
+
+    def stop(self) -> None:
+        self._halt.set()
+        self.join(timeout=5)
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode(errors="replace") if isinstance(value, bytes) else value

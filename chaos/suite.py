@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -123,6 +124,8 @@ class SuiteConfig:
     step_sleep: float = 0.1
     only: tuple[str, ...] = ()
     timeout_s: float = 300.0
+    jobs: int = 1
+    """Launches run at once (each is its own local cluster with its own etcd)."""
 
 
 def child_env() -> dict[str, str]:
@@ -146,7 +149,17 @@ def write_config(path: Path, run_dir: Path, cfg: SuiteConfig) -> Path:
     return path
 
 
-def run_scenario(scenario: Scenario | None, name: str, cfg: SuiteConfig, baseline: str | None) -> dict[str, Any]:
+@dataclass
+class _Launched:
+    name: str
+    scenario: Scenario | None
+    entry: dict[str, Any]
+    rc: int
+    extra_pids: set[int]
+
+
+def launch_scenario(scenario: Scenario | None, name: str, cfg: SuiteConfig) -> _Launched:
+    """Run one scenario's launch under its plan (no checks yet: those need the baseline's checksum)."""
     base = cfg.out_dir / name
     run_dir = base / "run"
     config = write_config(base / "run.yaml", run_dir, cfg)
@@ -161,40 +174,48 @@ def run_scenario(scenario: Scenario | None, name: str, cfg: SuiteConfig, baselin
     t0 = time.monotonic()
     outcome = runner.run()
     extra = {i.respawned_pid for i in runner.injectors if isinstance(i, EtcdOutage) and i.respawned_pid}
+    entry = {"name": name, "run_dir": str(run_dir), "argv": argv, "plan": [f.describe() for f in faults],
+             "pending": scenario.pending if scenario else "", "timed_out": outcome.timed_out,
+             "elapsed_s": round(time.monotonic() - t0, 1)}
+    return _Launched(name, scenario, entry, outcome.rc, extra)
+
+
+def check_scenario(launched: _Launched, cfg: SuiteConfig, baseline: str | None) -> dict[str, Any]:
+    scenario = launched.scenario
     expect = scenario.expect if scenario else Expectation(steps=cfg.steps, bitwise=False, note="reference run")
-    result = check_run(run_dir, expect, baseline, outcome.rc, extra_pids=extra)
-    return {"name": name, "run_dir": str(run_dir), "argv": argv, "plan": [f.describe() for f in faults],
-            "pending": scenario.pending if scenario else "", "timed_out": outcome.timed_out,
-            "elapsed_s": round(time.monotonic() - t0, 1), "result": result}
+    result = check_run(Path(launched.entry["run_dir"]), expect, baseline, launched.rc,
+                       extra_pids=launched.extra_pids)
+    return {**launched.entry, "result": result}
 
 
 def run_suite(cfg: SuiteConfig, quick: bool = False, echo=print) -> dict[str, Any]:
+    """Baseline + scenarios, ``cfg.jobs`` launches at a time; then the checks, the report, the table."""
     scenarios = standard_scenarios(cfg.num_nodes, cfg.steps, cfg.interval)
     wanted = cfg.only or (QUICK if quick else tuple(s.name for s in scenarios))
     unknown = sorted(set(wanted) - {s.name for s in scenarios})
     if unknown:
         raise ValueError(f"unknown scenario {unknown[0]!r} (known: {', '.join(s.name for s in scenarios)})")
+    chosen = [s for s in scenarios if s.name in wanted]
     t0 = time.monotonic()
-    results = []
-    echo(f"chaos suite: baseline + {len(wanted)} scenarios on {cfg.num_nodes} local nodes, {cfg.steps} steps")
-    base = run_scenario(None, "baseline", cfg, None)
-    results.append(base)
-    echo(f"  baseline: {'ok' if base['result']['ok'] else 'FAILED'} in {base['elapsed_s']}s")
+    echo(f"chaos suite: baseline + {len(chosen)} scenarios on {cfg.num_nodes} local nodes, {cfg.steps} steps, "
+         f"{cfg.jobs} at a time")
+    jobs: list[tuple[Scenario | None, str]] = [(None, "baseline")] + [(s, s.name) for s in chosen]
+    with ThreadPoolExecutor(max_workers=cfg.jobs) as pool:
+        futures = [pool.submit(launch_scenario, scenario, name, cfg) for scenario, name in jobs]
+        for future in as_completed(futures):
+            done = future.result()
+            echo(f"  {done.name}: launch rc={done.rc} in {done.entry['elapsed_s']}s")
+        launched = [f.result() for f in futures]
+    base = check_scenario(launched[0], cfg, None)
     reference = base["result"]["final_checksum"]
-    for scenario in scenarios:
-        if scenario.name not in wanted:
-            continue
-        res = run_scenario(scenario, scenario.name, cfg, reference)
-        results.append(res)
-        verdict = "ok" if res["result"]["ok"] else ("XFAIL" if scenario.pending else "FAILED")
-        echo(f"  {scenario.name}: {verdict} in {res['elapsed_s']}s")
+    results = [base] + [check_scenario(item, cfg, reference) for item in launched[1:]]
     failed = [r["name"] for r in results if not r["result"]["ok"] and not r["pending"]]
-    report = {"nodes": cfg.num_nodes, "steps": cfg.steps, "baseline_checksum": reference,
-              "ok": not failed and base["result"]["ok"], "failed": failed,
-              "elapsed_s": round(time.monotonic() - t0, 1), "scenarios": results}
+    report = {"nodes": cfg.num_nodes, "steps": cfg.steps, "jobs": cfg.jobs, "baseline_checksum": reference,
+              "ok": not failed, "failed": failed, "elapsed_s": round(time.monotonic() - t0, 1),
+              "scenarios": results}
     write_json(report, cfg.out_dir / "report.json")
     plot_timeline(results, cfg.out_dir / "timeline.png")
     echo(format_table(results))
-    echo(f"report: {cfg.out_dir / 'report.json'}  timeline: {cfg.out_dir / 'timeline.png'}")
+    echo(f"suite {'passed' if report['ok'] else 'FAILED: ' + ', '.join(failed)} in {report['elapsed_s']}s; "
+         f"report: {cfg.out_dir / 'report.json'}  timeline: {cfg.out_dir / 'timeline.png'}")
     return report
-

@@ -291,3 +291,22 @@ def test_etcd_outage_kill_restarts_it_with_its_data(tmp_path, etcd_server):
     finally:
         outage.cleanup()
     assert not alive(outage.respawned_pid)  # cleanup stops the server it started
+
+
+def test_exclusion_watcher_copies_etcd_exclusion_records_into_events(tmp_path, etcd_server):
+    from chaos.runner import ExclusionWatcher
+    from elastic.agent import Exclusions
+    from elastic.events import EventLog, read_run_events
+    from elastic.store import EtcdStore
+
+    log = EventLog(tmp_path / "events" / "chaos.jsonl", "chaos")
+    watcher = ExclusionWatcher(etcd_server.endpoint, "/elastic/runs/t", log, interval_s=0.1)
+    watcher.start()
+    try:
+        Exclusions(EtcdStore(etcd_server.endpoint), "/elastic/runs/t").add("node2", "diag: ecc errors")
+        assert wait_until(lambda: any(e["kind"] == "chaos.exclusions" and e["nodes"] == ["node2"]
+                                      for e in read_run_events(tmp_path)), 5)
+    finally:
+        watcher.stop()
+    record = next(e for e in read_run_events(tmp_path) if e["kind"] == "chaos.exclusions")
+    assert json.loads(record["records"]["node2"])["reason"] == "diag: ecc errors"

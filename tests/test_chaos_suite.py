@@ -25,7 +25,8 @@ pytestmark = pytest.mark.slow
 def test_quick_suite_kill_worker_and_corrupt_checkpoint(tmp_path, subprocess_env):
     out = tmp_path / "suite"
     proc = subprocess.run([sys.executable, "-m", "chaos", "suite", "--nodes", "2", "--quick", "--steps", "16",
-                           "--out", str(out)], env=subprocess_env, capture_output=True, text=True, timeout=400)
+                           "--jobs", "3", "--out", str(out)],
+                          env=subprocess_env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads((out / "report.json").read_text())
     by_name = {s["name"]: s for s in report["scenarios"]}
