@@ -1,13 +1,14 @@
-"""The per-node agent: registers the node, runs torchrun, restarts it on failure.
+"""The per-node agent: screens and registers the node, runs torchrun, supervises it.
 
 One agent runs per node (``python -m elastic.agent ...``; ``elastic-launch``
 starts them).  Its life::
 
-    INIT -> REGISTERED -> RUNNING -> SUCCEEDED
-                 |           |-> FAILED -> (budget left) RUNNING
-                 |           |-> FAILED -> (budget spent) GAVE_UP
-                 |           '-> STOPPED (SIGTERM/SIGINT forwarded)
-                 '-> EXCLUDED (node on the run's exclusion list; never starts)
+    INIT -> (pre-flight) -> REGISTERED -> RUNNING -> SUCCEEDED
+      |                                     |-> FAILED -> classify -> action -> RUNNING
+      |                                     |-> FAILED -> (budget spent / stop) GAVE_UP
+      |                                     |-> EXCLUDED (leader or own policy) -> leaves
+      |                                     '-> STOPPED (SIGTERM/SIGINT forwarded)
+      '-> EXCLUDED (on the run's exclusion list, or the screen failed; never starts)
 
 Restart coordination uses a run-wide **epoch** in etcd.  Every torchrun is
 started with rendezvous id ``<run>-e<epoch>``, so each recovery gets a fresh
@@ -19,8 +20,14 @@ other agent sees the bump within ``epoch_poll_s``, stops its healthy workers
 failures consume its restart budget: a restart caused by a peer is a
 membership change, not a failure of this node.
 
+Supervision while torchrun runs: step heartbeats from the workers
+(:mod:`elastic.heartbeat`: hang detection), the node heartbeat published to
+etcd for the leader (:mod:`elastic.leader`: stragglers, lemon nodes), the
+run's epoch, this node's exclusion record and the run's stop key.
+
 torchrun itself runs with ``--max-restarts 0``: this agent owns the restart
-decision so that it can classify the failure and record it.
+decision so that it can classify the failure (:mod:`elastic.classify`) and
+act on it (:class:`~elastic.agent_config.FailurePolicy`).
 """
 
 from __future__ import annotations
@@ -39,12 +46,16 @@ from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 
+from elastic.agent_config import AgentConfig, RendezvousConfig
+from elastic.classify import UNCOUNTED, FailureKind, classify
 from elastic.config import ConfigError
 from elastic.events import EventLog
-from elastic.procs import child_preexec, descendants, set_parent_death_signal, terminate_tree
-from elastic.agent_config import AgentConfig, RendezvousConfig
+from elastic.heartbeat import HeartbeatMonitor, Silence
+from elastic.leader import ClusterPolicy, LeaderLoop
 from elastic.naming import BACKEND_NAME, run_prefix
+from elastic.procs import child_preexec, descendants, set_parent_death_signal, terminate_tree
 from elastic.store import EtcdStore, LeaseKeeper, StoreError
+from elastic.worker import SKIP_STEPS_ENV
 
 EXIT_SUCCESS = 0
 EXIT_FAILURE = 1
@@ -52,18 +63,13 @@ EXIT_CONFIG = 2
 EXIT_EXCLUDED = 93  # "do not requeue": the node is bad, rescheduling it here is pointless
 EXIT_INTERRUPTED = 130
 
-# Messages in a worker's error file that mean "a peer went away", not "this node broke".
-_PEER_LOST_MARKERS = (
-    "Connection reset by peer",
-    "Connection closed by peer",
-    "Broken pipe",
-    "connectFullMesh failed",
-    "Connection refused",
-)
+
+__all__ = ["NodeAgent", "NodeSpec", "Exclusions", "FailureKind", "AgentState", "EXIT_EXCLUDED"]
 
 
 class AgentState(str, Enum):
     INIT = "INIT"
+    SCREENING = "SCREENING"
     REGISTERED = "REGISTERED"
     RUNNING = "RUNNING"
     FAILED = "FAILED"
@@ -71,13 +77,6 @@ class AgentState(str, Enum):
     STOPPED = "STOPPED"
     GAVE_UP = "GAVE_UP"
     EXCLUDED = "EXCLUDED"
-
-
-class FailureKind(str, Enum):
-    WORKER_SIGNAL = "worker_signal"    # a worker died from a signal (SIGKILL, SIGSEGV, OOM killer)
-    WORKER_ERROR = "worker_error"      # a worker raised (error file present)
-    PEER_LOST = "peer_lost"            # collective failed because another node went away
-    TORCHRUN = "torchrun"              # torchrun itself died or failed before workers ran
 
 
 @dataclass
@@ -89,6 +88,18 @@ class NodeSpec:
     nnodes: str  # "N" or "MIN:MAX"
     nproc_per_node: int
     entrypoint: list[str]  # e.g. ["-m", "trainer.train", "--config", ..., "--run-dir", ...]
+
+
+@dataclass
+class Attempt:
+    """What happened to one torchrun attempt."""
+
+    outcome: str  # succeeded | failed | stopped | peer_restart | excluded | run_stopped
+    rc: int | None = None
+    kind: FailureKind | None = None  # set when the agent itself decided the failure (hang)
+    detail: str = ""
+    numerics_step: int | None = None
+    attempt_dir: Path | None = None
 
 
 class Exclusions:
@@ -141,17 +152,20 @@ class NodeAgent:
         self.state = AgentState.INIT
         self.failures = 0
         self.attempt = 0
+        self.restarts_since_progress = 0
+        self.last_commit = -1
         self._stop = threading.Event()
         self._stop_signal: int | None = None
         self._lease: LeaseKeeper | None = None
+        self._leader: LeaderLoop | None = None
         self._proc: subprocess.Popen[bytes] | None = None
         self._known_pids: set[int] = set()
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         self._sock.bind(("127.0.0.1", 0))
         self._sock.setblocking(False)
-        self.last_report: dict[int, dict] = {}
+        self.monitor = HeartbeatMonitor(config.heartbeat)
 
-    # -- bookkeeping ------------------------------------------------------------
+    # -- keys -------------------------------------------------------------------
     @property
     def epoch_key(self) -> str:
         return f"{self.prefix}/epoch"
@@ -160,6 +174,10 @@ class NodeAgent:
     def node_key(self) -> str:
         return f"{self.prefix}/nodes/{self.spec.node_id}"
 
+    def _key(self, name: str) -> str:
+        return f"{self.prefix}/{name}"
+
+    # -- bookkeeping ------------------------------------------------------------
     def _set_state(self, state: AgentState, **fields) -> None:
         self.state = state
         self.events.emit("agent.state", state=state.value, **fields)
@@ -169,10 +187,27 @@ class NodeAgent:
     def _publish_node(self) -> None:
         record = {"node": self.spec.node_id, "host": socket.gethostname(), "pid": os.getpid(),
                   "state": self.state.value, "failures": self.failures, "ts": time.time()}
+        self._put_quietly(self.node_key, record, "publish_node", lease=True)
+
+    def _publish_heartbeat(self, epoch: int) -> None:
+        record = {"node": self.spec.node_id, "epoch": epoch, "state": self.state.value, "ts": time.time(),
+                  **self.monitor.summary()}
+        self._put_quietly(self._key(f"heartbeat/{self.spec.node_id}"), record, "heartbeat", lease=True)
+
+    def _put_quietly(self, key: str, record: dict, op: str, lease: bool = False) -> None:
         try:
-            self.store.put(self.node_key, json.dumps(record), lease=self._lease.lease_id if self._lease else None)
+            self.store.put(key, json.dumps(record), lease=self._lease.lease_id if lease and self._lease else None)
         except StoreError as exc:
-            self.events.emit("agent.store_error", op="publish_node", error=str(exc))
+            self.events.emit("agent.store_error", op=op, error=str(exc))
+
+    def _get_json(self, name: str) -> dict | None:
+        kv = self.store.get(self._key(name))
+        if kv is None:
+            return None
+        try:
+            return json.loads(kv.value)
+        except json.JSONDecodeError:
+            return {}
 
     def read_epoch(self) -> int:
         kv = self.store.get(self.epoch_key)
@@ -191,6 +226,12 @@ class NodeAgent:
             return seen + 1
         return int(now.value) if now else 0
 
+    def _bump_quietly(self, epoch: int) -> None:
+        try:
+            self.bump_epoch(epoch)
+        except StoreError as exc:
+            self.events.emit("agent.store_error", op="bump_epoch", error=str(exc))
+
     # -- signals ------------------------------------------------------------------
     def request_stop(self, signum: int) -> None:
         self._stop_signal = signum
@@ -208,6 +249,8 @@ class NodeAgent:
             return self._run()
         finally:
             self._stop_workers("agent exit")
+            if self._leader is not None:
+                self._leader.close()
             if self._lease is not None:
                 self._lease.close(revoke=True)
             self.events.emit("agent.exit", state=self.state.value, failures=self.failures)
@@ -216,43 +259,220 @@ class NodeAgent:
     def _run(self) -> int:
         excluded = self.exclusions.get(self.spec.node_id)
         if excluded is not None:
-            self._set_state(AgentState.EXCLUDED, reason=excluded.get("reason"), until=excluded.get("until"))
-            print(f"elastic-agent: node {self.spec.node_id} is excluded from run {self.spec.run_id}: "
-                  f"{excluded.get('reason')}", file=sys.stderr)
-            return EXIT_EXCLUDED
+            return self._leave_excluded(excluded.get("reason"), excluded.get("until"))
+        if self.config.preflight.enabled:
+            passed, reason = self.screen("pre-flight")
+            if not passed:
+                return self._exclude_self(reason, self.config.preflight.exclusion_ttl_s, by="preflight", epoch=None)
         self._lease = LeaseKeeper(self.store, self.config.lease_ttl_s,
                                   on_lost=lambda: self.events.emit("agent.lease_lost"))
         self._set_state(AgentState.REGISTERED)
+        self._leader = LeaderLoop(self.store, self.prefix, self.spec.node_id, self.config.leader,
+                                  ClusterPolicy(self.config.leader, self._exclude_other, self.events), self.events,
+                                  is_excluded=lambda node: self.exclusions.get(node) is not None)
+        self._leader.start()
+        self._join_running_run()
         while not self._stop.is_set():
             epoch = self.read_epoch()
-            outcome, rc = self._run_once(epoch)
-            if outcome == "stopped":
+            result = self._run_once(epoch)
+            if result.outcome == "stopped":
                 self._set_state(AgentState.STOPPED, signal=self._stop_signal)
                 return EXIT_INTERRUPTED
-            if outcome == "succeeded":
+            if result.outcome == "succeeded":
                 self._set_state(AgentState.SUCCEEDED, epoch=epoch)
+                self._put_quietly(self._key("done"), {"by": self.spec.node_id, "ts": time.time()}, "done")
                 return EXIT_SUCCESS
-            if outcome == "peer_restart":
-                self.events.emit("agent.restart", reason="peer", epoch=epoch, counted=False)
-                continue
-            kind = self._classify(rc, epoch)
-            counted = kind != FailureKind.PEER_LOST
-            if counted:
-                self.failures += 1
-            self._set_state(AgentState.FAILED, rc=rc, failure_kind=kind.value, failures=self.failures, epoch=epoch)
-            new_epoch = self.bump_epoch(epoch)
-            if self.failures > self.config.max_restarts:
-                self._set_state(AgentState.GAVE_UP, failures=self.failures, max_restarts=self.config.max_restarts)
-                print(f"elastic-agent: node {self.spec.node_id} gave up after {self.failures} failures "
-                      f"(max_restarts={self.config.max_restarts})", file=sys.stderr)
+            if result.outcome == "run_stopped":
+                record = self._get_json("stop") or {}
+                self._set_state(AgentState.GAVE_UP, reason=f"run stopped by {record.get('by')}: {record.get('reason')}")
+                print(f"elastic-agent: node {self.spec.node_id}: run stopped by {record.get('by')}: "
+                      f"{record.get('reason')}", file=sys.stderr)
                 return EXIT_FAILURE
-            self.events.emit("agent.restart", reason=kind.value, epoch=new_epoch, counted=counted,
-                             failures=self.failures)
+            if result.outcome == "excluded":
+                record = self.exclusions.get(self.spec.node_id) or {}
+                return self._leave_excluded(record.get("reason"), record.get("until"))
+            code = self._after_failure(result, epoch)
+            if code is not None:
+                return code
         self._set_state(AgentState.STOPPED, signal=self._stop_signal)
         return EXIT_INTERRUPTED
 
+    def _after_failure(self, result: Attempt, epoch: int) -> int | None:
+        """Classify, act, and either return an exit code or None to go round again."""
+        self.restarts_since_progress += 1
+        if result.outcome == "peer_restart":
+            self.events.emit("agent.restart", reason="peer", epoch=epoch, counted=False)
+            return self._no_progress_guard()
+        kind, detail = (result.kind, result.detail) if result.kind else self._classify(result)
+        counted = kind not in UNCOUNTED
+        action = self.config.failure.action(kind.value)
+        if action == "rollback":
+            verdict, why = self._rollback(result.numerics_step, detail, epoch)
+            if verdict == "stop":
+                self._set_state(AgentState.FAILED, rc=result.rc, failure_kind=kind.value, detail=detail,
+                                failures=self.failures, epoch=epoch, action="stop")
+                return self._stop_run(why, epoch)
+            if verdict == "duplicate":
+                counted = False  # one NaN, reported by every node: count it once
+        if counted:
+            self.failures += 1
+            self._put_quietly(self._key(f"failures/{self.spec.node_id}/{int(time.time() * 1000)}"),
+                              {"ts": time.time(), "kind": kind.value, "epoch": epoch}, "record_failure")
+        self._set_state(AgentState.FAILED, rc=result.rc, failure_kind=kind.value, detail=detail,
+                        failures=self.failures, epoch=epoch, action=action)
+        if action == "stop":
+            return self._stop_run(f"{kind.value}: {detail}", epoch)
+        if action == "exclude":
+            return self._exclude_self(f"{kind.value}: {detail}", self.config.failure.exclusion_ttl_s,
+                                      by="policy", epoch=epoch)
+        if action == "rescreen" and self.config.preflight.enabled:
+            passed, reason = self.screen(f"after {kind.value}")
+            if not passed:
+                return self._exclude_self(reason, self.config.preflight.exclusion_ttl_s, by="rescreen", epoch=epoch)
+        new_epoch = self.bump_epoch(epoch)
+        if self.failures > self.config.max_restarts:
+            self._set_state(AgentState.GAVE_UP, failures=self.failures, max_restarts=self.config.max_restarts)
+            print(f"elastic-agent: node {self.spec.node_id} gave up after {self.failures} failures "
+                  f"(max_restarts={self.config.max_restarts})", file=sys.stderr)
+            return EXIT_FAILURE
+        self.events.emit("agent.restart", reason=kind.value, epoch=new_epoch, counted=counted,
+                         failures=self.failures, action=action)
+        return self._no_progress_guard()
+
+    def _no_progress_guard(self) -> int | None:
+        limit = self.config.failure.no_progress_restarts
+        if limit and self.restarts_since_progress > limit:
+            return self._stop_run(f"no progress: {self.restarts_since_progress - 1} restarts without a new "
+                                  f"committed checkpoint (no_progress_restarts={limit})", self.read_epoch())
+        return None
+
+    def _stop_run(self, reason: str, epoch: int) -> int:
+        """Stop the whole run: every agent sees the stop key and leaves."""
+        self._put_quietly(self._key("stop"), {"reason": reason, "by": self.spec.node_id, "ts": time.time()}, "stop")
+        self._set_state(AgentState.GAVE_UP, reason=reason)
+        print(f"elastic-agent: node {self.spec.node_id} stops the run: {reason}", file=sys.stderr)
+        return EXIT_FAILURE
+
+    def _leave_excluded(self, reason: str | None, until: float | None) -> int:
+        self._set_state(AgentState.EXCLUDED, reason=reason, until=until)
+        print(f"elastic-agent: node {self.spec.node_id} is excluded from run {self.spec.run_id}: {reason}",
+              file=sys.stderr)
+        return EXIT_EXCLUDED
+
+    def _exclude_self(self, reason: str, ttl_s: float, by: str, epoch: int | None) -> int:
+        self.exclusions.add(self.spec.node_id, reason, ttl_s=ttl_s, by=by)
+        self.events.emit("agent.excluded_self", reason=reason, by=by, ttl_s=ttl_s)
+        if epoch is not None:
+            self.bump_epoch(epoch)
+        return self._leave_excluded(reason, time.time() + ttl_s)
+
+    def _exclude_other(self, node: str, reason: str, ttl_s: float) -> None:
+        """Leader policy: exclude another node (it notices and leaves)."""
+        try:
+            self.exclusions.add(node, reason, ttl_s=ttl_s, by=f"leader/{self.spec.node_id}")
+            self.events.emit("leader.exclude", node=node, reason=reason, ttl_s=ttl_s)
+        except StoreError as exc:
+            self.events.emit("leader.store_error", error=str(exc))
+
+    def _join_running_run(self) -> None:
+        """A node (re)joining a run that trains without it triggers a re-form, so the run grows."""
+        if self._get_json("done") is not None:
+            return
+        epoch = self.read_epoch()
+        fresh = time.time() - 3 * self.config.heartbeat.publish_interval_s
+        for kv in self.store.get_prefix(self._key("heartbeat/")):
+            try:
+                hb = json.loads(kv.value)
+            except json.JSONDecodeError:
+                continue
+            if hb.get("node") != self.spec.node_id and hb.get("epoch") == epoch and hb.get("ts", 0) > fresh \
+                    and hb.get("step", 0) > 0:
+                self.events.emit("agent.join_running", epoch=epoch, seen=hb.get("node"))
+                self.bump_epoch(epoch)
+                return
+
+    # -- rollback after bad numerics ----------------------------------------------------
+    def _rollback(self, bad_step: int | None, detail: str, epoch: int) -> tuple[str, str]:
+        """Record the bad step range to skip; the restart then resumes from the last commit.
+
+        Returns ("rollback" | "duplicate" | "stop", reason).  Every rank of a synchronous job
+        sees the same NaN, so several agents report one failure: the range is written with a
+        compare-and-swap, and an agent finding its step already recorded *for this epoch* is
+        looking at the same failure.  The same step failing in a later epoch is a repeat.
+        """
+        if bad_step is None:
+            return "stop", f"numerics failure without a step ({detail})"
+        key = self._key("numerics")
+        while True:
+            kv = self.store.get(key)
+            record = json.loads(kv.value) if kv else {"ranges": [], "rollbacks": 0}
+            for r in record["ranges"]:
+                if r["lo"] <= bad_step <= r["hi"]:
+                    if r["epoch"] == epoch:
+                        return "duplicate", f"step {bad_step} already rolled back by {r['by']}"
+                    return "stop", f"numerics failure repeats at step {bad_step} after skipping it"
+            if record["rollbacks"] >= self.config.failure.max_rollbacks:
+                return "stop", (f"numerics: {record['rollbacks']} rollbacks already "
+                                f"(max_rollbacks={self.config.failure.max_rollbacks})")
+            lo = max(1, bad_step - self.config.failure.skip_before)
+            record["ranges"].append({"lo": lo, "hi": bad_step, "epoch": epoch, "by": self.spec.node_id})
+            record["rollbacks"] += 1
+            ok, _ = self.store.compare_and_swap(key, json.dumps(record), kv.mod_revision if kv else 0)
+            if ok:
+                skip = [[r["lo"], r["hi"]] for r in record["ranges"]]
+                self.events.emit("agent.rollback", bad_step=bad_step, skip=skip, rollbacks=record["rollbacks"],
+                                 detail=detail)
+                return "rollback", ""
+
+    def _skip_steps_env(self) -> str:
+        record = self._get_json("numerics") or {}
+        return ",".join(f"{r['lo']}-{r['hi']}" for r in record.get("ranges", []))
+
+    # -- pre-flight screen ----------------------------------------------------------------
+    def screen(self, why: str) -> tuple[bool, str]:
+        """Run ``diag burnin`` in a child process; (passed, reason)."""
+        cfg = self.config.preflight
+        self._set_state(AgentState.SCREENING, why=why)
+        report_path = self.spec.run_dir / "diag" / f"{self.spec.node_id}-{int(time.time() * 1000)}.json"
+        report_path.parent.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, "-m", "diagnostics.cli", "burnin", f"--{cfg.mode}", "--json", str(report_path),
+               "--etcd-endpoint", self.spec.endpoint, "--ckpt-dir", str(self.spec.run_dir)]
+        if cfg.checks:
+            cmd += ["--checks", ",".join(cfg.checks)]
+        if cfg.thresholds:
+            cmd += ["--config", cfg.thresholds]
+        inject = self.spec.run_dir / "faults" / f"diag-{self.spec.node_id}.yaml"
+        if inject.exists():
+            cmd += ["--inject", str(inject)]
+        started = time.monotonic()
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=cfg.timeout_s,
+                                  preexec_fn=child_preexec(signal.SIGKILL))
+            rc, tail = proc.returncode, (proc.stdout + proc.stderr).strip().splitlines()[-1:]
+        except subprocess.TimeoutExpired:
+            rc, tail = None, [f"screen did not finish within {cfg.timeout_s:g}s"]
+        failures: list[str] = []
+        try:
+            checks = json.loads(report_path.read_text()).get("checks", [])
+            failures = [f"{c['name']}: {c['reason']}" for c in checks if c.get("verdict") == "fail"]
+        except (OSError, json.JSONDecodeError, KeyError, TypeError):
+            pass
+        passed = rc == 0
+        reason = "; ".join(failures) or (tail[0] if tail else f"diag exited {rc}")
+        self.events.emit("agent.screen", why=why, passed=passed, rc=rc, reason=reason if not passed else "",
+                         report=str(report_path), duration_s=round(time.monotonic() - started, 3))
+        try:
+            self.store.put(self._key(f"diag/{self.spec.node_id}"),
+                           json.dumps({"passed": passed, "rc": rc, "reason": reason, "ts": time.time(), "why": why}))
+        except StoreError:
+            pass
+        return passed, (f"pre-flight screen failed: {reason}" if not passed else "")
+
+    # -- one torchrun attempt -------------------------------------------------------------
+    def attempt_dir(self, epoch: int) -> Path:
+        return self.spec.run_dir / "torchrun" / self.spec.node_id / f"e{epoch}-a{self.attempt}"
+
     def _torchrun_cmd(self, epoch: int) -> list[str]:
-        log_dir = self.spec.run_dir / "torchrun" / self.spec.node_id / f"e{epoch}-a{self.attempt}"
         return [
             sys.executable, "-m", "torch.distributed.run",
             f"--nnodes={self.spec.nnodes}",
@@ -264,7 +484,7 @@ class NodeAgent:
             "--max-restarts=0",
             "--monitor-interval=0.1",
             "--local-addr=127.0.0.1",
-            f"--log-dir={log_dir}",
+            f"--log-dir={self.attempt_dir(epoch)}",
             *self.spec.entrypoint,
         ]
 
@@ -283,19 +503,24 @@ class NodeAgent:
             "ELASTIC_RUN_PREFIX": self.prefix,
             "ELASTIC_EPOCH": str(epoch),
             "ELASTIC_PG_TIMEOUT": str(self.config.pg_timeout_s),
+            SKIP_STEPS_ENV: self._skip_steps_env(),
         })
         return env
 
-    def _run_once(self, epoch: int) -> tuple[str, int | None]:
+    def _run_once(self, epoch: int) -> Attempt:
         self.attempt += 1
-        cmd = self._torchrun_cmd(epoch)
+        attempt_dir = self.attempt_dir(epoch)
+        attempt_dir.mkdir(parents=True, exist_ok=True)
+        self.monitor = HeartbeatMonitor(self.config.heartbeat)
         started = time.monotonic()
-        self._proc = subprocess.Popen(cmd, env=self._torchrun_env(epoch), start_new_session=True,
-                                      preexec_fn=child_preexec(signal.SIGTERM))
+        with open(attempt_dir / "torchrun.log", "ab") as log:
+            self._proc = subprocess.Popen(self._torchrun_cmd(epoch), env=self._torchrun_env(epoch),
+                                          stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                          preexec_fn=child_preexec(signal.SIGTERM))
         self._known_pids = {self._proc.pid}
         self._set_state(AgentState.RUNNING, epoch=epoch, attempt=self.attempt, torchrun_pid=self._proc.pid)
-        first_step_seen = False
-        next_epoch_check = time.monotonic() + self.config.epoch_poll_s
+        numerics_step: int | None = None
+        next_poll = next_beat = time.monotonic()
         while True:
             rc = self._proc.poll()
             if rc is not None:
@@ -304,28 +529,82 @@ class NodeAgent:
                 # Workers in their own sessions may outlive torchrun: reap them.
                 terminate_tree(None, self._known_pids, self.config.term_grace_s)
                 self._proc = None
-                return ("succeeded" if rc == 0 else "failed"), rc
+                if rc == 0:
+                    return Attempt("succeeded", rc)
+                return Attempt("failed", rc, numerics_step=numerics_step, attempt_dir=attempt_dir)
             if self._stop.is_set():
                 self._stop_workers(f"signal {self._stop_signal}")
-                return "stopped", None
+                return Attempt("stopped")
             self._known_pids.update(descendants(self._proc.pid))
             for report in self._drain_reports():
-                if report.get("type") == "step" and not first_step_seen:
-                    first_step_seen = True
-                    self.events.emit("agent.first_step", step=report.get("step"), epoch=epoch,
-                                     attempt=self.attempt, since_start_s=time.monotonic() - started)
-            if time.monotonic() >= next_epoch_check:
-                next_epoch_check = time.monotonic() + self.config.epoch_poll_s
-                try:
-                    current = self.read_epoch()
-                except StoreError as exc:
-                    self.events.emit("agent.store_error", op="read_epoch", error=str(exc))
-                    current = epoch
-                if current > epoch:
-                    self.events.emit("agent.epoch_seen", epoch=current, previous=epoch)
-                    self._stop_workers(f"epoch {current}")
-                    return "peer_restart", None
+                numerics_step = self._on_report(report, epoch, started, numerics_step)
+            now = time.monotonic()
+            if now >= next_poll:
+                next_poll = now + self.config.epoch_poll_s
+                outcome = self._poll_run(epoch)
+                if outcome is not None:
+                    return outcome
+            if now >= next_beat:
+                next_beat = now + self.config.heartbeat.publish_interval_s
+                self._publish_heartbeat(epoch)
+            verdict, detail = self.monitor.check()
+            if verdict != Silence.NONE and numerics_step is None:
+                kind = {Silence.CULPRIT: FailureKind.HANG, Silence.VICTIM: FailureKind.STALL,
+                        Silence.INIT: FailureKind.INIT_TIMEOUT}[verdict]
+                self.events.emit("agent.hang_detected", verdict=verdict.value, detail=detail, epoch=epoch,
+                                 silent_s=round(self.monitor.silent_for(), 3))
+                # Tell the peers first: they are blocked behind this hang and should not each
+                # wait out their own stall timeout while this node tears its workers down.
+                self._bump_quietly(epoch)
+                self._stop_workers(f"{kind.value}: {detail}")
+                return Attempt("failed", None, kind=kind, detail=detail, attempt_dir=attempt_dir)
             self._wait_for_reports(self.config.monitor_interval_s)
+
+    def _on_report(self, report: dict, epoch: int, started: float, numerics_step: int | None) -> int | None:
+        kind = report.get("type")
+        if kind == "step":
+            first = self.monitor.first_step_at is None
+            self.monitor.observe(report)
+            if first:
+                self.events.emit("agent.first_step", step=report.get("step"), epoch=epoch,
+                                 attempt=self.attempt, since_start_s=time.monotonic() - started)
+        elif kind == "done":
+            self.monitor.observe(report)
+        elif kind == "commit":
+            step = int(report.get("step", -1))
+            if step > self.last_commit:
+                self.last_commit = step
+                self.restarts_since_progress = 0
+        elif kind == "numerics":
+            self.events.emit("agent.numerics_report", step=report.get("step"), rank=report.get("rank"),
+                             reason=report.get("reason"))
+            if numerics_step is None:
+                return int(report.get("step", 0))
+        return numerics_step
+
+    def _poll_run(self, epoch: int) -> Attempt | None:
+        """Run-wide signals in etcd: a new epoch, this node's exclusion, a stop of the run."""
+        try:
+            current = self.read_epoch()
+            excluded = self.exclusions.get(self.spec.node_id)
+            stop = self.store.get(self._key("stop"))
+        except StoreError as exc:
+            # etcd unreachable: keep training; the workers do not need etcd between rendezvous.
+            self.events.emit("agent.store_error", op="poll", error=str(exc))
+            return None
+        if stop is not None:
+            self._stop_workers("run stopped")
+            return Attempt("run_stopped")
+        if excluded is not None:
+            self.events.emit("agent.excluded_seen", reason=excluded.get("reason"), by=excluded.get("by"))
+            self._bump_quietly(epoch)  # the others re-form without this node right away
+            self._stop_workers("excluded")
+            return Attempt("excluded")
+        if current > epoch:
+            self.events.emit("agent.epoch_seen", epoch=current, previous=epoch)
+            self._stop_workers(f"epoch {current}")
+            return Attempt("peer_restart")
+        return None
 
     def _wait_for_reports(self, timeout: float) -> None:
         # Sleeping in select() on the report socket: wakes early when a worker reports.
@@ -342,17 +621,15 @@ class NodeAgent:
             except (BlockingIOError, OSError):
                 return reports
             try:
-                report = json.loads(data)
+                reports.append(json.loads(data))
             except json.JSONDecodeError:
                 continue
-            self.last_report[int(report.get("rank", -1))] = report
-            reports.append(report)
 
     def _stop_workers(self, reason: str) -> None:
         if self._proc is None:
             return
-        self.events.emit("agent.stop_workers", reason=reason, pids=sorted(self._known_pids))
         self._known_pids.update(descendants(self._proc.pid))
+        self.events.emit("agent.stop_workers", reason=reason, pids=sorted(self._known_pids))
         terminate_tree(self._proc.pid, self._known_pids, self.config.term_grace_s)
         try:
             self._proc.wait(timeout=self.config.term_grace_s)
@@ -360,21 +637,13 @@ class NodeAgent:
             pass
         self._proc = None
 
-    def _classify(self, rc: int | None, epoch: int) -> FailureKind:
-        log_dir = self.spec.run_dir / "torchrun" / self.spec.node_id / f"e{epoch}-a{self.attempt}"
-        messages = []
-        for err in log_dir.glob("**/error.json"):
-            try:
-                messages.append(err.read_text(errors="replace"))
-            except OSError:
-                continue
-        if messages:
-            if all(any(m in text for m in _PEER_LOST_MARKERS) for text in messages):
-                return FailureKind.PEER_LOST
-            return FailureKind.WORKER_ERROR
-        if rc is not None and rc < 0:
-            return FailureKind.TORCHRUN
-        return FailureKind.WORKER_SIGNAL
+    def _classify(self, result: Attempt) -> tuple[FailureKind, str]:
+        assert result.attempt_dir is not None
+        try:
+            log = (result.attempt_dir / "torchrun.log").read_text(errors="replace")
+        except OSError:
+            log = ""
+        return classify(result.attempt_dir, result.rc, log, numerics_reported=result.numerics_step is not None)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

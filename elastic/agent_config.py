@@ -2,10 +2,137 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Literal
 
 from elastic.config import ConfigError
 from elastic.naming import DEFAULT_KEY_PREFIX
+
+
+Action = Literal["restart", "rescreen", "exclude", "stop", "rollback"]
+
+# What the agent does per failure class unless the config says otherwise.  A crash or signal
+# may be a transient software fault (restart) or bad hardware (rescreen first); a hang is
+# re-screened because a wedged GPU or link is the common cause at scale.
+DEFAULT_ACTIONS: dict[str, str] = {
+    "worker_signal": "rescreen",
+    "worker_error": "restart",
+    "oom": "restart",
+    "collective_timeout": "restart",
+    "hang": "rescreen",
+    "init_timeout": "rescreen",
+    "numerics": "rollback",
+    "torchrun": "restart",
+    "rendezvous_timeout": "stop",
+}
+_UNCOUNTED = ("peer_lost", "stall")
+
+
+@dataclass(kw_only=True)
+class HeartbeatConfig:
+    init_timeout_s: float = 300.0
+    """Silence allowed from torchrun start to the first step report (rendezvous, imports, load)."""
+    step_timeout_s: float = 30.0
+    """Silence allowed between step reports once training runs; past it the rank is hung."""
+    stall_factor: float = 2.0
+    """A node whose workers are blocked waiting on peers gives up after stall_factor x step_timeout_s."""
+    publish_interval_s: float = 2.0
+    """How often the node heartbeat (step, step time) goes to etcd."""
+    window: int = 20
+    """Step reports kept for the published step-time statistics."""
+
+    def __post_init__(self) -> None:
+        for name in ("init_timeout_s", "step_timeout_s", "publish_interval_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(name, "must be > 0")
+        if self.stall_factor < 1:
+            raise ConfigError("stall_factor", "must be >= 1")
+        if self.window < 1:
+            raise ConfigError("window", "must be >= 1")
+
+
+@dataclass(kw_only=True)
+class FailurePolicy:
+    actions: dict[str, Action] = field(default_factory=dict)
+    """Per failure class: restart | rescreen | exclude | stop | rollback (defaults in DEFAULT_ACTIONS)."""
+    max_rollbacks: int = 3
+    """NaN / loss-spike rollbacks allowed per run before the agent stops with a report."""
+    skip_before: int = 0
+    """On rollback, also skip this many data batches before the offending one."""
+    no_progress_restarts: int = 4
+    """Stop after this many restarts (any cause) without a new committed checkpoint; 0 disables."""
+    exclusion_ttl_s: float = 3600.0
+    """How long an exclusion by this node's own policy lasts."""
+
+    def __post_init__(self) -> None:
+        unknown = set(self.actions) - set(DEFAULT_ACTIONS)
+        if unknown:
+            raise ConfigError(f"actions.{sorted(unknown)[0]}",
+                              f"unknown failure class (known: {', '.join(sorted(DEFAULT_ACTIONS))})")
+        for name in ("max_rollbacks", "skip_before", "no_progress_restarts"):
+            if getattr(self, name) < 0:
+                raise ConfigError(name, "must be >= 0")
+        if self.exclusion_ttl_s <= 0:
+            raise ConfigError("exclusion_ttl_s", "must be > 0")
+
+    def action(self, kind: str) -> str:
+        if kind in _UNCOUNTED:
+            return "restart"
+        return self.actions.get(kind, DEFAULT_ACTIONS.get(kind, "restart"))
+
+
+@dataclass(kw_only=True)
+class LeaderConfig:
+    ttl_s: int = 3
+    """Lease TTL of the leader key: a dead leader is replaced within about this long."""
+    interval_s: float = 1.0
+    """How often the leader evaluates cluster policy."""
+    straggler_factor: float = 2.0
+    """A node is slow when its busy step time exceeds this multiple of the other nodes' median."""
+    straggler_min_excess_s: float = 0.05
+    """... and exceeds it by at least this many seconds (noise floor for tiny steps)."""
+    straggler_evaluations: int = 3
+    """Consecutive slow evaluations before a node counts as a straggler."""
+    straggler_action: Literal["flag", "exclude"] = "flag"
+    lemon_failures: int = 3
+    """Counted failures of one node within lemon_window_s that exclude it; 0 disables."""
+    lemon_window_s: float = 600.0
+    exclusion_ttl_s: float = 3600.0
+
+    def __post_init__(self) -> None:
+        if self.ttl_s < 2:
+            raise ConfigError("ttl_s", "must be >= 2")
+        if self.interval_s <= 0:
+            raise ConfigError("interval_s", "must be > 0")
+        if self.straggler_factor <= 1:
+            raise ConfigError("straggler_factor", "must be > 1")
+        if self.straggler_evaluations < 1:
+            raise ConfigError("straggler_evaluations", "must be >= 1")
+        if self.lemon_failures < 0:
+            raise ConfigError("lemon_failures", "must be >= 0")
+        for name in ("lemon_window_s", "exclusion_ttl_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(name, "must be > 0")
+
+
+@dataclass(kw_only=True)
+class PreflightConfig:
+    enabled: bool = True
+    """Screen the node with ``diag burnin`` before it joins and after a failure whose action is rescreen."""
+    mode: Literal["quick", "full"] = "quick"
+    checks: list[str] = field(default_factory=list)
+    """Checks to run (empty: every check of the mode)."""
+    thresholds: str = ""
+    """Thresholds YAML for ``diag`` (empty: its per-GPU-model defaults)."""
+    timeout_s: float = 120.0
+    """A screen that does not finish in time counts as failed (a wedged GPU hangs its checks)."""
+    exclusion_ttl_s: float = 3600.0
+    """Expiry of the exclusion written when the screen fails."""
+
+    def __post_init__(self) -> None:
+        for name in ("timeout_s", "exclusion_ttl_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(name, "must be > 0")
 
 
 @dataclass(kw_only=True)
@@ -20,7 +147,14 @@ class AgentConfig:
     lease_ttl_s: int = 10
     """TTL of the node record; the agent refreshes it at a third of this."""
     pg_timeout_s: float = 60.0
-    """Collective timeout handed to the trainer (gloo/NCCL), far below NCCL's 30 min default."""
+    """Collective timeout handed to the trainer (gloo/NCCL), far below NCCL's 30 min default.
+
+    Kept above heartbeat.step_timeout_s on purpose: the agent of the hung rank must see the
+    silence (and blame its own worker) before the healthy ranks' collectives time out."""
+    heartbeat: HeartbeatConfig = field(default_factory=HeartbeatConfig)
+    failure: FailurePolicy = field(default_factory=FailurePolicy)
+    leader: LeaderConfig = field(default_factory=LeaderConfig)
+    preflight: PreflightConfig = field(default_factory=PreflightConfig)
 
     def __post_init__(self) -> None:
         if self.max_restarts < 0:
@@ -30,6 +164,9 @@ class AgentConfig:
                 raise ConfigError(name, "must be > 0")
         if self.lease_ttl_s < 2:
             raise ConfigError("lease_ttl_s", "must be >= 2")
+        if self.pg_timeout_s <= self.heartbeat.step_timeout_s:
+            raise ConfigError("pg_timeout_s", f"must exceed heartbeat.step_timeout_s "
+                              f"({self.heartbeat.step_timeout_s}) so a hang is blamed on the hung rank")
 
 
 @dataclass(kw_only=True)

@@ -10,7 +10,8 @@ writes the same files on the target node)::
     {"kind": "exit",      "rank": 1, "step": 9, "code": 1}  # die with an exit code (crash)
     {"kind": "ckpt_write_error", "step": 10}               # the checkpoint writer raises ENOSPC
 
-``rank`` may be omitted (every rank) or be a list. A fault with ``"once": true``
+``rank`` may be omitted (every rank) or be a list; ``node`` (a node id, or a
+list) restricts a fault to the workers of that node, whatever ranks they get. A fault with ``"once": true``
 (the default for nan_loss, hang and exit) fires once per run: the firing rank
 renames the file to ``*.fired`` so that the replay after a restart or rollback
 runs clean, which is what a transient fault looks like.
@@ -46,7 +47,12 @@ class Fault:
     kind: str
     spec: dict[str, Any]
 
-    def targets(self, rank: int) -> bool:
+    def targets(self, rank: int, node: str | None = None) -> bool:
+        want_node = self.spec.get("node")
+        if want_node is not None:
+            nodes = want_node if isinstance(want_node, list) else [want_node]
+            if node not in nodes:
+                return False
         want = self.spec.get("rank")
         if want is None:
             return True
@@ -97,9 +103,11 @@ def load_faults(run_dir: str | os.PathLike[str]) -> list[Fault]:
 class FaultHooks:
     """Per-worker view of the run's fault files."""
 
-    def __init__(self, run_dir: str | os.PathLike[str], rank: int, events=None, poll_s: float = 0.0) -> None:
+    def __init__(self, run_dir: str | os.PathLike[str], rank: int, events=None, poll_s: float = 0.0,
+                 node: str | None = None) -> None:
         self.run_dir = Path(run_dir)
         self.rank = rank
+        self.node = node if node is not None else os.environ.get("ELASTIC_NODE_ID")
         self.events = events
         self.poll_s = poll_s
         self._cache: list[Fault] = []
@@ -113,7 +121,7 @@ class FaultHooks:
         return self._cache
 
     def _matching(self, kind: str, step: int) -> list[Fault]:
-        return [f for f in self._faults() if f.kind == kind and f.targets(self.rank) and f.active_at(step)]
+        return [f for f in self._faults() if f.kind == kind and f.targets(self.rank, self.node) and f.active_at(step)]
 
     def _fire(self, fault: Fault, step: int) -> None:
         if self.events is not None:

@@ -35,6 +35,19 @@ EXIT_NUMERICS = 87
 PG_TIMEOUT_ENV = "ELASTIC_PG_TIMEOUT"
 
 
+SKIP_STEPS_ENV = "ELASTIC_SKIP_STEPS"
+
+
+def skip_steps(text: str | None = None) -> frozenset[int]:
+    """Steps whose data batch is skipped after a numerics rollback (``"12-12,30-31"``, set by the agent)."""
+    text = os.environ.get(SKIP_STEPS_ENV, "") if text is None else text
+    steps: set[int] = set()
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        lo, _, hi = part.partition("-")
+        steps.update(range(int(lo), int(hi or lo) + 1))
+    return frozenset(steps)
+
+
 def pg_timeout(default_s: float = 600.0):
     """Collective timeout chosen by the agent (kept below its hang detection), as a timedelta."""
     from datetime import timedelta
@@ -84,11 +97,20 @@ class WorkerContext:
         except OSError:
             pass  # agent gone or buffer full: never let reporting hurt training
 
-    def report_step(self, step: int, loss: float, step_time: float) -> None:
-        self._send({"type": "step", "step": step, "loss": loss, "step_time": step_time})
+    def report_step(self, step: int, loss: float, step_time: float, busy_time: float | None = None) -> None:
+        """``busy_time``: the step's time minus the time spent waiting for peers at its sync point
+        (what tells a straggler apart: in synchronous training every rank's step takes as long)."""
+        payload = {"type": "step", "step": step, "loss": loss, "step_time": step_time}
+        if busy_time is not None:
+            payload["busy_time"] = busy_time
+        self._send(payload)
 
     def report_commit(self, step: int) -> None:
         self._send({"type": "commit", "step": step})
+
+    def report_done(self, step: int) -> None:
+        """Training finished: what follows (final barrier, teardown) is not a hang."""
+        self._send({"type": "done", "step": step})
 
     def report_numerics(self, step: int, reason: str) -> None:
         self._send({"type": "numerics", "step": step, "reason": reason})

@@ -68,6 +68,9 @@ class LaunchConfig:
     """This node's id in cluster mode (default: the hostname)."""
     entrypoint: list[str] = field(default_factory=lambda: ["-m", "trainer.train"])
     """What torchrun runs; the agent appends --config and --run-dir."""
+    respawn_excluded: bool = False
+    """Local mode: restart a simulated node's agent once its exclusion expires or is cleared
+    (a repaired node coming back), so an elastic run grows again."""
 
     def __post_init__(self) -> None:
         try:

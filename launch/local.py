@@ -24,8 +24,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from elastic.agent import EXIT_EXCLUDED, Exclusions
 from elastic.etcd_server import EmbeddedEtcd
 from elastic.events import EventLog, read_run_events
+from elastic.goodput import compute_goodput, format_goodput
+from elastic.naming import run_prefix
+from elastic.store import EtcdStore, StoreError
 from elastic.procs import child_preexec, descendants, terminate_tree
 from launch.config import RunConfig, dump_config
 
@@ -98,13 +102,14 @@ class Launcher:
                              endpoint=endpoint, local=self.etcd is not None)
             for node_id in self.node_ids():
                 self.agents.append(self._spawn_agent(node_id, endpoint, config_path))
-            self._wait_agents()
+            self._wait_agents(endpoint, config_path)
         finally:
             self._teardown()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
         summary = self.summarize(time.time() - started)
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        (self.run_dir / "goodput.json").write_text(json.dumps(summary["goodput"], indent=1))
         return LaunchResult(self._exit_code(), summary)
 
     def _archive_previous(self) -> None:
@@ -129,8 +134,13 @@ class Launcher:
         self.events.close()
         self.events = EventLog(self.run_dir / "events" / "launcher.jsonl", "launcher")
 
-    def _wait_agents(self) -> None:
-        while any(a.rc is None for a in self.agents):
+    def _wait_agents(self, endpoint: str, config_path: Path) -> None:
+        respawn = self.cfg.launch.respawn_excluded and not self.cfg.launch.etcd_endpoint
+        store = EtcdStore(endpoint, retry_deadline=2.0)
+        prefix = run_prefix(self.cfg.rendezvous.key_prefix, self.cfg.run.id)
+        exclusions = Exclusions(store, prefix)
+        next_check = 0.0
+        while True:
             if self._stop_signal is not None:
                 self.events.emit("launcher.interrupted", signal=self._stop_signal)
                 return
@@ -139,6 +149,19 @@ class Launcher:
                     agent.rc = agent.proc.poll()
                     if agent.rc is not None:
                         self.events.emit("launcher.agent_exit", node=agent.node_id, rc=agent.rc)
+            running = [a for a in self.agents if a.rc is None]
+            if not running:
+                return
+            if respawn and time.monotonic() >= next_check:
+                next_check = time.monotonic() + 0.5
+                try:
+                    done = store.get(f"{prefix}/done") is not None or store.get(f"{prefix}/stop") is not None
+                    for i, agent in enumerate(self.agents):
+                        if agent.rc == EXIT_EXCLUDED and not done and exclusions.get(agent.node_id) is None:
+                            self.events.emit("launcher.agent_respawn", node=agent.node_id)
+                            self.agents[i] = self._spawn_agent(agent.node_id, endpoint, config_path)
+                except StoreError as exc:
+                    self.events.emit("launcher.store_error", error=str(exc))
             time.sleep(0.1)
 
     def _teardown(self) -> None:
@@ -173,7 +196,9 @@ class Launcher:
         if self._stop_signal is not None:
             return 128 + self._stop_signal
         codes = [a.rc for a in self.agents]
-        if all(c == 0 for c in codes):
+        # The run finished if any node finished training; nodes that were excluded or lost
+        # on the way are reported in the summary, not as a failed run.
+        if any(c == 0 for c in codes) and all(c in (0, EXIT_EXCLUDED) or (c or 0) < 0 for c in codes):
             return 0
         nonzero = [c for c in codes if c not in (0, None)]
         return nonzero[0] if nonzero else 1
@@ -186,6 +211,8 @@ class Launcher:
         failures = [e for e in events if e["kind"] == "agent.state" and e.get("state") == "FAILED"]
         commits = [e for e in events if e["kind"] == "checkpoint.committed" and e["source"] == "trainer/rank0"]
         checksum_file = self.run_dir / "final_checksum.txt"
+        excluded = {e["source"].split("/", 1)[1]: e.get("reason") for e in events
+                    if e["kind"] == "agent.state" and e.get("state") == "EXCLUDED"}
         return {
             "run_id": self.cfg.run.id,
             "run_dir": str(self.run_dir),
@@ -194,12 +221,17 @@ class Launcher:
             "steps_target": self.cfg.trainer.steps,
             "last_step": max((e["step"] for e in steps), default=0),
             "step_events": len(steps),
-            "failures": [{"node": e["source"], "failure_kind": e.get("failure_kind"), "rc": e.get("rc")} for e in failures],
+            "failures": [{"node": e["source"], "failure_kind": e.get("failure_kind"), "rc": e.get("rc"),
+                          "action": e.get("action"), "detail": e.get("detail")} for e in failures],
+            "excluded": excluded,
+            "hangs_detected": sum(1 for e in events if e["kind"] == "agent.hang_detected"),
+            "rollbacks": sum(1 for e in events if e["kind"] == "agent.rollback"),
             "restarts": len(restarts),
             "restarts_counted": sum(1 for e in restarts if e.get("counted")),
             "checkpoints_committed": sorted({e["step"] for e in commits}),
             "final_checksum": checksum_file.read_text().strip() if checksum_file.exists() else None,
             "interrupted_by_signal": self._stop_signal,
+            "goodput": compute_goodput(events),
         }
 
 
@@ -209,7 +241,10 @@ def format_summary(summary: dict) -> str:
         f"in {summary['wall_s']:.1f}s, {summary['restarts']} restarts "
         f"({summary['restarts_counted']} counted failures)",
         "nodes: " + ", ".join(f"{n}=rc{rc}" for n, rc in summary["nodes"].items()),
+        *(["excluded: " + ", ".join(f"{n} ({r})" for n, r in summary["excluded"].items())]
+          if summary["excluded"] else []),
         f"checkpoints: {summary['checkpoints_committed']}",
+        format_goodput(summary["goodput"]),
         f"final checksum: {summary['final_checksum']}",
         f"run dir: {summary['run_dir']}",
     ]

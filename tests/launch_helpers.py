@@ -24,7 +24,8 @@ def write_run_config(tmp_path: Path, nodes: str = "2", steps: int = 16, interval
     cfg = {
         "run": {"id": run_id, "dir": str(tmp_path / "run")},
         "launch": {"nodes": nodes, "nproc_per_node": 1},
-        "agent": {"max_restarts": 3, "term_grace_s": 2},
+        # Pre-flight screening is covered by its own tests; the other runs skip its seconds.
+        "agent": {"max_restarts": 3, "term_grace_s": 2, "preflight": {"enabled": False}},
         "checkpoint": {"interval_steps": interval, "keep_last": 2},
         "trainer": {"steps": steps, "batch_size": 8, "dim": 16, "depth": 2, "lr": 0.01, "step_sleep": step_sleep},
     }

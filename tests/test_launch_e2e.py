@@ -26,27 +26,14 @@ def finish(proc, timeout: float = 180) -> str:
     return out
 
 
-@pytest.fixture(scope="module")
-def baseline(tmp_path_factory, subprocess_env_module) -> dict:
-    tmp = tmp_path_factory.mktemp("baseline")
-    proc = start_launcher(write_run_config(tmp), subprocess_env_module)
-    out = finish(proc)
-    assert proc.returncode == 0, out
-    summary = json.loads((tmp / "run" / "summary.json").read_text())
-    return {"summary": summary, "out": out, "run_dir": tmp / "run"}
+@pytest.fixture
+def baseline(baseline_run) -> dict:
+    return baseline_run
 
 
-@pytest.fixture(scope="module")
-def subprocess_env_module() -> dict[str, str]:
-    import sys
-
-    from tests.conftest import REPO_ROOT
-
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(REPO_ROOT)
-    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
-    env["OMP_NUM_THREADS"] = "1"
-    return env
+@pytest.fixture
+def subprocess_env_module(subprocess_env_session) -> dict[str, str]:
+    return subprocess_env_session
 
 
 def test_uninterrupted_run_completes(baseline):

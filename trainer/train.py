@@ -37,7 +37,8 @@ from torch.distributed.fsdp import fully_shard
 from elastic.checkpoint import CheckpointConfig, CheckpointManager
 from elastic.config import ConfigError, from_dict
 from elastic.events import EventLog
-from elastic.worker import WorkerContext, pg_timeout
+from elastic.faults import FaultHooks
+from elastic.worker import EXIT_NUMERICS, WorkerContext, pg_timeout, skip_steps
 from trainer.minimal_config import MLPTrainerConfig
 
 
@@ -102,6 +103,13 @@ class AppState(Stateful):
         self.step = int(state_dict["step"])
 
 
+def _all_finite(loss: torch.Tensor) -> bool:
+    """Collective: True iff the loss is finite on every rank (all ranks then agree to stop)."""
+    flag = torch.tensor([0.0 if torch.isfinite(loss.detach()).all() else 1.0])
+    dist.all_reduce(flag)
+    return flag.item() == 0.0
+
+
 def param_checksum(model: nn.Module) -> str:
     """sha256 over the full (unsharded) parameters in name order; collective."""
     digest = hashlib.sha256()
@@ -141,24 +149,44 @@ def train(cfg_file: _TrainerFile, run_dir: Path) -> str:
                 node=os.environ.get("ELASTIC_NODE_ID"),
                 restart_count=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)))
     loss_fn = nn.MSELoss()
+    hooks = FaultHooks(run_dir, rank, events)
+    skipped = skip_steps()
+    sync = torch.zeros(1)
     for step in range(start + 1, cfg.steps + 1):
         t0 = time.monotonic()
-        x, y = batch_for(cfg, step, rank, device)
-        loss = loss_fn(model(x), y)
-        optim.zero_grad(set_to_none=True)
-        loss.backward()
-        optim.step()
-        app.step = step
+        hooks.before_step(step)
         if cfg.step_sleep:
             time.sleep(cfg.step_sleep)
-        step_time = time.monotonic() - t0
-        loss_value = float(loss.detach())
-        events.emit("trainer.step", step=step, loss=loss_value, step_time=step_time)
-        worker.report_step(step, loss_value, step_time)
+        # The step's sync point: time spent here is waiting for slower peers, not work.
+        t_sync = time.monotonic()
+        dist.all_reduce(sync)
+        wait = time.monotonic() - t_sync
+        if step in skipped:
+            # Rolled back past a bad batch: the step number advances, its data is never used.
+            app.step = step
+            events.emit("trainer.step_skipped", step=step, reason="numerics rollback")
+        else:
+            x, y = batch_for(cfg, step, rank, device)
+            loss = hooks.loss(step, loss_fn(model(x), y))
+            if not _all_finite(loss):
+                # Never let a NaN reach the weights: no backward, no optimizer step; the agent rolls back.
+                events.emit("trainer.numerics", step=step, reason="non-finite loss")
+                worker.report_numerics(step, "non-finite loss")
+                sys.stdout.flush()
+                os._exit(EXIT_NUMERICS)
+            optim.zero_grad(set_to_none=True)
+            loss.backward()
+            optim.step()
+            app.step = step
+            step_time = time.monotonic() - t0
+            loss_value = float(loss.detach())
+            events.emit("trainer.step", step=step, loss=loss_value, step_time=step_time, busy_time=step_time - wait)
+            worker.report_step(step, loss_value, step_time, step_time - wait)
         if manager.should_save(step) or step == cfg.steps:
             manager.save(step, {"app": app})
             worker.report_commit(step)
 
+    worker.report_done(cfg.steps)
     checksum = param_checksum(model)
     if rank == 0:
         (run_dir / "final_checksum.txt").write_text(checksum + "\n")

@@ -1,0 +1,87 @@
+"""Which devices the benchmark checks run on, and the spec they are judged against."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from diagnostics.thresholds import ModelSpec, Thresholds
+
+
+def compute_devices() -> list[Any]:
+    """Every visible CUDA device, or the CPU when there is none."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.device_count() > 0:
+        return [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
+    return [torch.device("cpu")]
+
+
+def spec_for(device: Any, thresholds: Thresholds) -> tuple[str, ModelSpec | None]:
+    """(device model name, spec); the CPU spec for the CPU, None for an unknown GPU model."""
+    import torch
+
+    if device.type == "cpu":
+        return "cpu", thresholds.cpu
+    name = torch.cuda.get_device_name(device)
+    return name, thresholds.model_for(name)
+
+
+def synchronize(device: Any) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def cpu_expected(device: Any, floor: float | None, unscaled: float, scale: float) -> float | None:
+    """What a CPU measurement is judged against when a throughput-scale knob is injected.
+
+    A GPU has a peak to compare with, so ``tflops_scale: 0.3`` means "30 % of what it
+    should do" and fails.  A CPU has only a floor; without this, the same knob would
+    pass on a CPU host and chaos could not make a CPU node look slow.  So with a scale
+    injected on the CPU, the host's own unscaled measurement is the expectation (never
+    below the floor): the injected fraction is judged by the same warn / fail fractions.
+    """
+    if device.type != "cpu" or scale == 1.0:
+        return floor
+    return max(floor or 0.0, unscaled)
+
+
+def judge(measured: float, expected: float | None, warn_fraction: float, fail_fraction: float) -> tuple[str, str]:
+    """(verdict, threshold text) for a throughput against ``expected``; pass when nothing is expected."""
+    if expected is None:
+        return "pass", "none"
+    warn, fail = expected * warn_fraction, expected * fail_fraction
+    text = f">={warn:.4g} (fail<{fail:.4g})"
+    if measured < fail:
+        return "fail", text
+    if measured < warn:
+        return "warn", text
+    return "pass", text
+
+
+class single_cpu_thread:
+    """Run a CPU benchmark on one intra-op thread, restoring the previous setting.
+
+    On a shared or oversubscribed host, OpenMP's spinning barriers make a
+    multi-threaded small GEMM several times slower than a single thread
+    (measured 5x at load 5 on 2 cores), which would make the CPU floors
+    meaningless; one thread gives a stable floor.  No effect on CUDA devices.
+    """
+
+    def __init__(self, device: Any) -> None:
+        self.device = device
+        self.prev: int | None = None
+
+    def __enter__(self) -> None:
+        import torch
+
+        if self.device.type == "cpu":
+            self.prev = torch.get_num_threads()
+            torch.set_num_threads(1)
+
+    def __exit__(self, *exc: object) -> None:
+        import torch
+
+        if self.prev is not None:
+            torch.set_num_threads(self.prev)

@@ -1,0 +1,92 @@
+"""Memory bandwidth: device-local copy GB/s (host memory on a CPU-only host).
+
+``dst.copy_(src)`` of a large buffer, repeated for ``quick_seconds`` /
+``full_seconds``; bandwidth counts bytes read plus bytes written (STREAM "copy"
+convention), so it is comparable with the memory's peak figure.  The copy is
+verified at the end (``dst`` must equal ``src``).  Knob: ``membw: {gbps_scale}``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from diagnostics.checks import Check, Context, register
+from diagnostics.checks._devices import (
+    compute_devices,
+    cpu_expected,
+    judge,
+    single_cpu_thread,
+    spec_for,
+    synchronize,
+)
+from diagnostics.report import CheckResult, worst
+
+#: Buffer size in bytes per (device type, mode).
+SIZES = {("cpu", "quick"): 16 << 20, ("cpu", "full"): 256 << 20, ("cuda", "quick"): 1 << 30, ("cuda", "full"): 4 << 30}
+
+
+def run_copy(device: Any, nbytes: int, seconds: float) -> dict[str, Any]:
+    import torch
+
+    src = torch.arange(nbytes // 4, dtype=torch.int32, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # warm-up: page in both buffers
+    synchronize(device)
+    iters = 0
+    start = time.perf_counter()
+    while True:
+        dst.copy_(src)
+        iters += 1
+        if device.type == "cpu" or iters % 8 == 0:
+            synchronize(device)
+            if time.perf_counter() - start >= seconds:
+                break
+    synchronize(device)
+    elapsed = time.perf_counter() - start
+    return {
+        "bytes": src.numel() * 4,
+        "iters": iters,
+        "seconds": elapsed,
+        "gbps": 2 * src.numel() * 4 * iters / elapsed / 1e9,
+        "verified": bool(torch.equal(src, dst)),
+    }
+
+
+@register
+class MembwCheck(Check):
+    name = "membw"
+    description = "device memory copy bandwidth (host memory on CPU)"
+
+    def run(self, ctx: Context) -> CheckResult:
+        t = ctx.thresholds.membw
+        scale = float(ctx.reader.knobs("membw").get("gbps_scale", 1.0))
+        seconds = t.full_seconds if ctx.full else t.quick_seconds
+        verdicts, problems, per_device = [], [], {}
+        low, text = float("inf"), "none"
+        for device in compute_devices():
+            model, spec = spec_for(device, ctx.thresholds)
+            with single_cpu_thread(device):
+                r = run_copy(device, SIZES[(device.type, ctx.mode)], seconds)
+            unscaled = r["gbps"]
+            r["gbps"] *= scale
+            expected = cpu_expected(device, spec.membw_gbps if spec else None, unscaled, scale)
+            verdict, text = judge(r["gbps"], expected, t.warn_fraction, t.fail_fraction)
+            if verdict != "pass":
+                problems.append(f"{device} copy {r['gbps']:.4g} GB/s {text}")
+            if not r["verified"]:
+                verdict = "fail"
+                problems.insert(0, f"{device} copy produced wrong data")
+            r.update(model=model, verdict=verdict, expected_gbps=expected)
+            per_device[str(device)] = r
+            verdicts.append(verdict)
+            low = min(low, r["gbps"])
+        verdict = worst(verdicts)
+        return CheckResult(
+            name=self.name,
+            verdict=verdict,
+            value=round(low, 3),
+            threshold=text,
+            reason="ok" if verdict == "pass" else "; ".join(problems[:3]),
+            details={"unit": "GB/s (read+write)", "gbps_scale": scale, "devices": per_device},
+        )

@@ -1,0 +1,84 @@
+"""Failure classification: what killed this torchrun attempt.
+
+Inputs, in order of trust: the agent's own verdicts (a hang it detected, a
+numerics report it received), the workers' ``@record`` error files, the
+worker exit codes and rendezvous errors torchrun printed to its log, and
+torchrun's own exit status.  Each class maps to an action in
+:class:`~elastic.agent_config.FailurePolicy`.
+"""
+
+from __future__ import annotations
+
+import re
+from enum import Enum
+from pathlib import Path
+
+from elastic.worker import EXIT_NUMERICS
+
+
+class FailureKind(str, Enum):
+    WORKER_SIGNAL = "worker_signal"            # a worker died from a signal (SIGKILL, SIGSEGV, OOM killer)
+    WORKER_ERROR = "worker_error"              # a worker raised (error file present)
+    OOM = "oom"                                # a worker ran out of (device) memory
+    COLLECTIVE_TIMEOUT = "collective_timeout"  # a collective timed out on this node
+    PEER_LOST = "peer_lost"                    # a collective failed because another node went away
+    HANG = "hang"                              # a local worker stopped reporting (detected by the agent)
+    INIT_TIMEOUT = "init_timeout"              # no first step within the warm-up timeout
+    STALL = "stall"                            # local workers blocked on a peer for too long
+    NUMERICS = "numerics"                      # NaN/Inf or loss spike reported by the trainer
+    RENDEZVOUS_TIMEOUT = "rendezvous_timeout"  # not enough nodes joined in time
+    TORCHRUN = "torchrun"                      # torchrun itself died or failed before workers ran
+
+
+# A failure of one of these classes is a consequence of some other node's failure:
+# it does not count against this node's restart budget or its lemon record.
+UNCOUNTED = frozenset({FailureKind.PEER_LOST, FailureKind.STALL})
+
+_PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe",
+              "connectFullMesh failed", "Connection refused", "Socket closed")
+_TIMEOUT = ("Timed out waiting", "timed out", "Timeout", "DistBackendError: [../third_party/gloo")
+_OOM = ("OutOfMemoryError", "CUDA out of memory", "std::bad_alloc", "Cannot allocate memory")
+_EXITCODE_RE = re.compile(r"exitcode\s*:\s*(-?\d+)")
+
+
+def worker_exit_codes(torchrun_log: str) -> list[int]:
+    """Worker exit codes from torchrun's failure summary ("exitcode  : -9")."""
+    return [int(m) for m in _EXITCODE_RE.findall(torchrun_log)]
+
+
+def classify(attempt_dir: Path, torchrun_rc: int | None, torchrun_log: str = "",
+             numerics_reported: bool = False) -> tuple[FailureKind, str]:
+    """(kind, one-line detail) for a torchrun attempt that exited with failure."""
+    codes = worker_exit_codes(torchrun_log)
+    if numerics_reported or EXIT_NUMERICS in codes:
+        return FailureKind.NUMERICS, "trainer reported bad numerics"
+    if "RendezvousTimeoutError" in torchrun_log:
+        return FailureKind.RENDEZVOUS_TIMEOUT, "rendezvous timed out waiting for enough nodes"
+    messages = []
+    for err in sorted(attempt_dir.glob("**/error.json")):
+        try:
+            messages.append(err.read_text(errors="replace"))
+        except OSError:
+            continue
+    if messages:
+        text = "\n".join(messages)
+        if any(m in text for m in _OOM):
+            return FailureKind.OOM, "worker out of memory"
+        if all(any(m in t for m in _PEER_LOST) for t in messages):
+            return FailureKind.PEER_LOST, "collective failed: a peer went away"
+        if any(m in text for m in _TIMEOUT):
+            return FailureKind.COLLECTIVE_TIMEOUT, "collective timed out"
+        return FailureKind.WORKER_ERROR, _first_error_line(text)
+    if torchrun_rc is not None and torchrun_rc < 0:
+        return FailureKind.TORCHRUN, f"torchrun killed by signal {-torchrun_rc}"
+    negative = [c for c in codes if c < 0]
+    if negative:
+        return FailureKind.WORKER_SIGNAL, f"worker killed by signal {-negative[0]}"
+    if codes:
+        return FailureKind.WORKER_ERROR, f"worker exited with code {codes[0]}"
+    return FailureKind.WORKER_SIGNAL, f"torchrun exited with {torchrun_rc}"
+
+
+def _first_error_line(text: str) -> str:
+    match = re.search(r'"message":\s*"([^"\\]{0,200})', text)
+    return match.group(1) if match else "worker raised"

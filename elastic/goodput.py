@@ -1,0 +1,84 @@
+"""Goodput accounting from a run's event log.
+
+goodput = productive step time / wall time, where a step is productive only
+if its result survived: a step that was redone after a restart (it ran past
+the checkpoint the run later resumed from) is lost work, however long it
+took.  The rest of the wall time is broken down as
+
+  startup      launcher start -> first step of the run begins
+  recovery     last step before a failure -> first step of the restarted
+               workers begins (detection, teardown, rendezvous, process
+               start, checkpoint load)
+  checkpoint   time training was blocked in checkpoint saves (staging for
+               async saves; the whole save for synchronous ones)
+  lost         step time of steps that were later redone
+  other        the remainder (step-loop overhead, shutdown)
+
+Rank 0's trainer events are the reference timeline: every rank of a
+synchronous job advances together.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def compute_goodput(events: list[dict[str, Any]]) -> dict[str, Any]:
+    events = sorted(events, key=lambda e: e["ts"])
+    launcher = [e for e in events if e.get("source") == "launcher"]
+    rank0 = [e for e in events if e.get("source") == "trainer/rank0"]
+    steps = [e for e in rank0 if e["kind"] == "trainer.step"]
+    if not events:
+        return {"goodput": None}
+    t_start = launcher[0]["ts"] if launcher else events[0]["ts"]
+    t_end = events[-1]["ts"]
+    wall = max(t_end - t_start, 1e-9)
+
+    # The last execution of each step number is the one whose result survived.
+    last_exec: dict[int, int] = {}
+    for i, e in enumerate(steps):
+        last_exec[e["step"]] = i
+    kept = set(last_exec.values())
+    productive = sum(e["step_time"] for i, e in enumerate(steps) if i in kept)
+    lost = sum(e["step_time"] for i, e in enumerate(steps) if i not in kept)
+
+    startup = (steps[0]["ts"] - steps[0]["step_time"] - t_start) if steps else wall
+
+    # Recovery gaps: around each trainer.start after the first, from the last step
+    # before it to the beginning of the first step after it.
+    recovery = 0.0
+    starts = [e for e in rank0 if e["kind"] == "trainer.start"]
+    for start in starts[1:]:
+        before = [e for e in steps if e["ts"] <= start["ts"]]
+        after = [e for e in steps if e["ts"] > start["ts"]]
+        if before and after:
+            recovery += (after[0]["ts"] - after[0]["step_time"]) - before[-1]["ts"]
+
+    checkpoint = 0.0
+    pending: dict[int, float] = {}
+    for e in rank0:
+        if e["kind"] == "checkpoint.save_start":
+            pending[e["step"]] = e["ts"]
+        elif e["kind"] == "checkpoint.staged" and "blocking_s" in e:
+            checkpoint += float(e["blocking_s"])
+            pending.pop(e["step"], None)
+        elif e["kind"] == "checkpoint.committed" and e["step"] in pending:
+            checkpoint += e["ts"] - pending.pop(e["step"])
+
+    parts = {"productive_s": productive, "startup_s": startup, "recovery_s": recovery,
+             "checkpoint_s": checkpoint, "lost_s": lost}
+    parts["other_s"] = max(wall - sum(parts.values()), 0.0)
+    out = {"goodput": round(productive / wall, 4), "wall_s": round(wall, 3)}
+    out.update({k: round(v, 3) for k, v in parts.items()})
+    out["steps_kept"] = len(kept)
+    out["steps_redone"] = len(steps) - len(kept)
+    out["restarts"] = max(len(starts) - 1, 0)
+    return out
+
+
+def format_goodput(g: dict[str, Any]) -> str:
+    if g.get("goodput") is None:
+        return "goodput: n/a"
+    return (f"goodput {g['goodput'] * 100:.1f}% of {g['wall_s']:.1f}s: productive {g['productive_s']:.1f}s, "
+            f"startup {g['startup_s']:.1f}s, recovery {g['recovery_s']:.1f}s, checkpoint {g['checkpoint_s']:.1f}s, "
+            f"lost {g['lost_s']:.1f}s, other {g['other_s']:.1f}s")

@@ -1,0 +1,214 @@
+"""Leader election and cluster policy (stragglers, lemon nodes), run by one agent.
+
+Election: the leader key ``<run>/leader`` is created with compare-and-swap
+(create-only) under a short lease.  The holder keeps the lease alive; if its
+agent dies, the lease expires after ``ttl_s`` and the next agent to try wins.
+No extra service is needed beyond etcd.
+
+Policy (each ``interval_s``, leader only), from the node heartbeats that
+every agent publishes under ``<run>/heartbeat/<node>``:
+
+* straggler: a node whose *busy* step time (step time minus the time spent
+  waiting for peers at the step's sync point) exceeds ``straggler_factor``
+  times the median of the other nodes, ``straggler_evaluations`` times in a
+  row.  Total step time cannot tell: in synchronous training every rank's
+  step takes as long as the slowest one's.
+* lemon node: ``lemon_failures`` counted failures of one node within
+  ``lemon_window_s`` (failure records under ``<run>/failures/<node>/``).
+
+Both can exclude the node (exclusion record with reason and expiry); the
+excluded node's agent sees it, stops and leaves, and the rest re-form
+without it when the launch is elastic (``--nodes MIN:MAX``).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import threading
+import time
+from typing import Callable
+
+from elastic.agent_config import LeaderConfig
+from elastic.events import EventLog
+from elastic.store import EtcdStore, LeaseExpired, StoreError
+
+
+class LeaderElection:
+    def __init__(self, store: EtcdStore, key: str, node_id: str, ttl_s: int) -> None:
+        self.store = store
+        self.key = key
+        self.node_id = node_id
+        self.ttl_s = ttl_s
+        self.lease_id: int | None = None
+
+    def try_acquire(self) -> bool:
+        """One attempt; True if this node holds (or already held) the leadership."""
+        if self.lease_id is not None:
+            try:
+                self.store.refresh_lease(self.lease_id)
+                return True
+            except LeaseExpired:
+                self.lease_id = None  # lost it (e.g. etcd outage longer than the TTL): re-run
+        lease = self.store.grant_lease(self.ttl_s)
+        ok, _ = self.store.compare_and_swap(self.key, json.dumps({"node": self.node_id, "ts": time.time()}), 0,
+                                            lease=lease)
+        if ok:
+            self.lease_id = lease
+            return True
+        self.store.revoke_lease(lease)
+        return False
+
+    def current(self) -> str | None:
+        kv = self.store.get(self.key)
+        if kv is None:
+            return None
+        try:
+            return json.loads(kv.value).get("node")
+        except json.JSONDecodeError:
+            return None
+
+    def resign(self) -> None:
+        if self.lease_id is not None:
+            try:
+                self.store.revoke_lease(self.lease_id)
+            except StoreError:
+                pass
+            self.lease_id = None
+
+
+class ClusterPolicy:
+    """Straggler and lemon-node rules over heartbeats and failure records."""
+
+    def __init__(self, config: LeaderConfig, exclude: Callable[[str, str, float], None], events: EventLog) -> None:
+        self.config = config
+        self.exclude = exclude
+        self.events = events
+        self._slow_streak: dict[str, int] = {}
+        self._flagged: set[str] = set()
+        self.excluded_by_policy: set[str] = set()
+        self._judged_since: dict[str, float] = {}  # a returning node's old failures are forgiven
+
+    def evaluate_stragglers(self, heartbeats: dict[str, dict]) -> list[str]:
+        """Nodes that are stragglers now (after enough consecutive slow evaluations)."""
+        busy = {n: hb["busy_time"] for n, hb in heartbeats.items()
+                if hb.get("busy_time") is not None and hb.get("samples", 0) >= 3}
+        stragglers = []
+        for node, value in busy.items():
+            others = [v for n, v in busy.items() if n != node]
+            if not others:
+                continue
+            reference = statistics.median(others)
+            slow = (value > self.config.straggler_factor * reference
+                    and value - reference > self.config.straggler_min_excess_s)
+            self._slow_streak[node] = self._slow_streak.get(node, 0) + 1 if slow else 0
+            if self._slow_streak[node] >= self.config.straggler_evaluations:
+                stragglers.append(node)
+                if node not in self._flagged:
+                    self._flagged.add(node)
+                    reason = (f"straggler: busy step time {value:.3f}s vs median {reference:.3f}s of the others "
+                              f"(> {self.config.straggler_factor:g}x, {self._slow_streak[node]} evaluations)")
+                    self.events.emit("leader.straggler", node=node, busy_time=value, reference=reference,
+                                     action=self.config.straggler_action)
+                    if self.config.straggler_action == "exclude":
+                        self.excluded_by_policy.add(node)
+                        self.exclude(node, reason, self.config.exclusion_ttl_s)
+        return stragglers
+
+    def evaluate_lemons(self, failures: dict[str, list[float]], now: float | None = None) -> list[str]:
+        if self.config.lemon_failures <= 0:
+            return []
+        now = time.time() if now is None else now
+        lemons = []
+        for node, stamps in failures.items():
+            since = self._judged_since.get(node, 0.0)
+            recent = [t for t in stamps if now - t <= self.config.lemon_window_s and t > since]
+            if len(recent) >= self.config.lemon_failures:
+                lemons.append(node)
+                if node not in self._flagged:
+                    self._flagged.add(node)
+                    reason = (f"lemon node: {len(recent)} failures within {self.config.lemon_window_s:g}s")
+                    self.events.emit("leader.lemon", node=node, failures=len(recent))
+                    self.excluded_by_policy.add(node)
+                    self.exclude(node, reason, self.config.exclusion_ttl_s)
+        return lemons
+
+    def forget(self, node: str) -> None:
+        """A node came back (exclusion expired or cleared): judge it afresh."""
+        self._flagged.discard(node)
+        self._slow_streak.pop(node, None)
+        self.excluded_by_policy.discard(node)
+        self._judged_since[node] = time.time()
+
+
+class LeaderLoop:
+    """Background thread of every agent: campaign, and run the policy while leader."""
+
+    def __init__(self, store: EtcdStore, prefix: str, node_id: str, config: LeaderConfig,
+                 policy: ClusterPolicy, events: EventLog, is_excluded: Callable[[str], bool]) -> None:
+        self.is_excluded = is_excluded
+        self.store = store
+        self.prefix = prefix
+        self.config = config
+        self.policy = policy
+        self.events = events
+        self.election = LeaderElection(store, f"{prefix}/leader", node_id, config.ttl_s)
+        self.is_leader = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="leader", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=3)
+        self.election.resign()
+
+    def _run(self) -> None:
+        # Campaign at a third of the TTL so that a holder refreshes well before expiry.
+        while not self._stop.wait(min(self.config.interval_s, self.config.ttl_s / 3)):
+            try:
+                leader = self.election.try_acquire()
+            except StoreError as exc:
+                self.events.emit("leader.store_error", error=str(exc))
+                continue
+            if leader and not self.is_leader:
+                self.events.emit("leader.elected", node=self.election.node_id)
+            elif not leader and self.is_leader:
+                self.events.emit("leader.lost", node=self.election.node_id)
+            self.is_leader = leader
+            if leader:
+                try:
+                    for node in list(self.policy.excluded_by_policy):
+                        if not self.is_excluded(node):  # expired or cleared: the node may return
+                            self.policy.forget(node)
+                    self.policy.evaluate_stragglers(self.read_heartbeats())
+                    self.policy.evaluate_lemons(self.read_failures())
+                except StoreError as exc:
+                    self.events.emit("leader.store_error", error=str(exc))
+
+    def read_heartbeats(self) -> dict[str, dict]:
+        out = {}
+        base = f"{self.prefix}/heartbeat/"
+        epoch_kv = self.store.get(f"{self.prefix}/epoch")
+        epoch = int(epoch_kv.value) if epoch_kv else 0
+        for kv in self.store.get_prefix(base):
+            try:
+                hb = json.loads(kv.value)
+            except json.JSONDecodeError:
+                continue
+            if hb.get("epoch") == epoch:  # compare nodes of the same membership only
+                out[kv.key[len(base):]] = hb
+        return out
+
+    def read_failures(self) -> dict[str, list[float]]:
+        out: dict[str, list[float]] = {}
+        base = f"{self.prefix}/failures/"
+        for kv in self.store.get_prefix(base):
+            node = kv.key[len(base):].split("/", 1)[0]
+            try:
+                out.setdefault(node, []).append(float(json.loads(kv.value)["ts"]))
+            except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+                continue
+        return out

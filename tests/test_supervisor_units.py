@@ -1,0 +1,244 @@
+"""Supervisor building blocks: classification, hang verdicts, cluster policy, election, faults, goodput."""
+
+from __future__ import annotations
+
+import json
+import math
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from elastic.agent_config import AgentConfig, FailurePolicy, HeartbeatConfig, LeaderConfig
+from elastic.classify import FailureKind, classify, worker_exit_codes
+from elastic.config import ConfigError, from_dict
+from elastic.events import EventLog
+from elastic.faults import FaultHooks, FaultSpecError, write_fault
+from elastic.goodput import compute_goodput
+from elastic.heartbeat import HeartbeatMonitor, Silence
+from elastic.leader import ClusterPolicy, LeaderElection
+from elastic.store import EtcdStore
+from elastic.worker import skip_steps
+
+
+# -- classification -----------------------------------------------------------------
+def _error_file(tmp_path, message: str, rank: int = 0):
+    d = tmp_path / "attempt" / "attempt_0" / str(rank)
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "error.json").write_text(json.dumps({"message": {"message": message}}))
+    return tmp_path / "attempt"
+
+
+def test_classify_from_error_files(tmp_path):
+    assert classify(_error_file(tmp_path / "a", "RuntimeError: Connection reset by peer"), 1)[0] == FailureKind.PEER_LOST
+    assert classify(_error_file(tmp_path / "b", "torch.OutOfMemoryError: CUDA out of memory"), 1)[0] == FailureKind.OOM
+    assert classify(_error_file(tmp_path / "c", "Timed out waiting 30000ms for recv"), 1)[0] == \
+        FailureKind.COLLECTIVE_TIMEOUT
+    kind, detail = classify(_error_file(tmp_path / "d", "ValueError: bad shape"), 1)
+    assert kind == FailureKind.WORKER_ERROR and "bad shape" in detail
+
+
+def test_classify_from_torchrun_log(tmp_path):
+    log = "  exitcode  : -9 (pid: 123)\n  error_file: <N/A>\n"
+    assert worker_exit_codes(log) == [-9]
+    assert classify(tmp_path, 1, log) == (FailureKind.WORKER_SIGNAL, "worker killed by signal 9")
+    assert classify(tmp_path, 1, "  exitcode  : 87 (pid: 5)")[0] == FailureKind.NUMERICS
+    assert classify(tmp_path, 1, "torch.distributed.elastic.rendezvous.api.RendezvousTimeoutError")[0] == \
+        FailureKind.RENDEZVOUS_TIMEOUT
+    assert classify(tmp_path, -15, "")[0] == FailureKind.TORCHRUN
+    assert classify(tmp_path, 1, "", numerics_reported=True)[0] == FailureKind.NUMERICS
+
+
+# -- heartbeat verdicts ---------------------------------------------------------------
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_init_timeout_then_steady_state_timeout():
+    clock = FakeClock()
+    mon = HeartbeatMonitor(HeartbeatConfig(init_timeout_s=10, step_timeout_s=2), clock=clock)
+    clock.now += 9
+    assert mon.check()[0] == Silence.NONE  # warm-up is allowed to be slow
+    clock.now += 2
+    assert mon.check()[0] == Silence.INIT
+
+
+def test_stopped_worker_is_the_culprit_and_sleeping_one_a_victim():
+    clock = FakeClock()
+    cfg = HeartbeatConfig(step_timeout_s=2, stall_factor=2)
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        mon = HeartbeatMonitor(cfg, clock=clock)
+        mon.observe({"type": "step", "rank": 0, "pid": sleeper.pid, "step": 3, "step_time": 0.1})
+        clock.now += 1.5
+        assert mon.check()[0] == Silence.NONE
+        clock.now += 1.0  # silent 2.5 s: past step_timeout, but the worker is merely blocked
+        assert mon.check()[0] == Silence.NONE
+        clock.now += 2.0  # 4.5 s > 2 x 2 s: give up waiting on the peers
+        verdict, detail = mon.check()
+        assert verdict == Silence.VICTIM and "blocked" in detail
+        sleeper.send_signal(signal.SIGSTOP)
+        time.sleep(0.2)
+        verdict, detail = mon.check()
+        assert verdict == Silence.CULPRIT and "stopped" in detail
+        mon.observe({"type": "done", "rank": 0, "step": 3})
+        assert mon.check()[0] == Silence.NONE  # after "done", silence is shutdown, not a hang
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
+def test_heartbeat_summary_uses_busy_time():
+    mon = HeartbeatMonitor(HeartbeatConfig())
+    for step in range(1, 6):
+        mon.observe({"type": "step", "rank": 0, "pid": 1, "step": step, "step_time": 0.5, "busy_time": 0.1})
+    summary = mon.summary()
+    assert summary["step"] == 5 and summary["step_time"] == 0.5 and summary["busy_time"] == 0.1
+    assert summary["samples"] == 5
+
+
+# -- cluster policy ---------------------------------------------------------------------
+def _hb(busy: float) -> dict:
+    return {"busy_time": busy, "samples": 10}
+
+
+def test_straggler_needs_consecutive_slow_evaluations():
+    excluded = []
+    policy = ClusterPolicy(LeaderConfig(straggler_evaluations=3, straggler_action="exclude"),
+                           lambda n, r, t: excluded.append((n, r)), EventLog(None, "t"))
+    beats = {"a": _hb(0.1), "b": _hb(0.11), "c": _hb(0.5)}
+    assert policy.evaluate_stragglers(beats) == []
+    assert policy.evaluate_stragglers({**beats, "c": _hb(0.1)}) == []  # streak broken
+    for _ in range(2):
+        assert policy.evaluate_stragglers(beats) == []
+    assert policy.evaluate_stragglers(beats) == ["c"]
+    assert excluded and excluded[0][0] == "c" and "straggler" in excluded[0][1]
+    policy.evaluate_stragglers(beats)
+    assert len(excluded) == 1  # excluded once, not every evaluation
+
+
+def test_straggler_noise_floor_and_flag_only():
+    excluded = []
+    policy = ClusterPolicy(LeaderConfig(straggler_evaluations=1, straggler_min_excess_s=0.05),
+                           lambda n, r, t: excluded.append(n), EventLog(None, "t"))
+    # 3x slower but only 2 ms more: noise for tiny steps.
+    assert policy.evaluate_stragglers({"a": _hb(0.001), "b": _hb(0.001), "c": _hb(0.003)}) == []
+    assert policy.evaluate_stragglers({"a": _hb(0.1), "b": _hb(0.1), "c": _hb(0.4)}) == ["c"]
+    assert excluded == []  # default action is flag
+
+
+def test_lemon_node_excluded_within_window():
+    excluded = []
+    policy = ClusterPolicy(LeaderConfig(lemon_failures=3, lemon_window_s=60),
+                           lambda n, r, t: excluded.append(n), EventLog(None, "t"))
+    now = 1000.0
+    assert policy.evaluate_lemons({"a": [now - 100, now - 90, now - 5]}, now) == []  # two old ones
+    assert policy.evaluate_lemons({"a": [now - 30, now - 20, now - 5]}, now) == ["a"]
+    assert excluded == ["a"]
+
+
+def test_leader_election_and_failover(etcd_endpoint):
+    store = EtcdStore(etcd_endpoint)
+    a = LeaderElection(store, "/r/leader", "a", ttl_s=2)
+    b = LeaderElection(store, "/r/leader", "b", ttl_s=2)
+    assert a.try_acquire() and not b.try_acquire()
+    assert a.try_acquire()  # refresh keeps it
+    assert b.current() == "a"
+    # a dies without resigning: its lease runs out and b takes over.
+    deadline = time.monotonic() + 8
+    while not b.try_acquire():
+        assert time.monotonic() < deadline
+        time.sleep(0.3)
+    assert a.current() == "b"
+    b.resign()
+    assert store.get("/r/leader") is None
+
+
+# -- config -------------------------------------------------------------------------------
+def test_agent_config_rejects_pg_timeout_below_heartbeat():
+    with pytest.raises(ConfigError, match="pg_timeout_s"):
+        from_dict(AgentConfig, {"pg_timeout_s": 10, "heartbeat": {"step_timeout_s": 30}})
+
+
+def test_failure_policy_actions():
+    policy = FailurePolicy(actions={"hang": "exclude"})
+    assert policy.action("hang") == "exclude"
+    assert policy.action("numerics") == "rollback"
+    assert policy.action("peer_lost") == "restart"  # never punish a node for a peer's failure
+
+
+# -- worker-side pieces ---------------------------------------------------------------------
+def test_skip_steps_parse():
+    assert skip_steps("") == frozenset()
+    assert skip_steps("3-5,9") == frozenset({3, 4, 5, 9})
+
+
+def test_fault_hooks_fire_once_and_by_rank(tmp_path):
+    write_fault(tmp_path, "nan", {"kind": "nan_loss", "rank": 1, "step": 4})
+    other = FaultHooks(tmp_path, rank=0)
+    target = FaultHooks(tmp_path, rank=1)
+    loss = torch.tensor(0.5, requires_grad=True) * 2
+    assert other.loss(4, loss) is loss
+    assert target.loss(3, loss) is loss
+    bad = target.loss(4, loss)
+    assert math.isnan(bad.item()) and bad.requires_grad
+    assert not (tmp_path / "faults" / "nan.json").exists() and (tmp_path / "faults" / "nan.fired").exists()
+    assert target.loss(4, loss) is loss  # once: the replay after rollback runs clean
+
+
+def test_fault_straggle_delays_and_bad_spec(tmp_path):
+    write_fault(tmp_path, "slow", {"kind": "straggle", "from_step": 2, "to_step": 3, "delay_s": 0.2})
+    hooks = FaultHooks(tmp_path, rank=0)
+    t0 = time.monotonic()
+    hooks.before_step(1)
+    assert time.monotonic() - t0 < 0.15
+    t0 = time.monotonic()
+    hooks.before_step(2)
+    hooks.before_step(3)
+    assert time.monotonic() - t0 >= 0.4  # two delayed steps; straggle is not once
+    with pytest.raises(FaultSpecError, match="kind"):
+        write_fault(tmp_path, "x", {"kind": "meteor"})
+
+
+def test_fault_hang_stops_the_process(tmp_path):
+    write_fault(tmp_path, "h", {"kind": "hang", "step": 2})
+    code = ("import sys; from elastic.faults import FaultHooks; h = FaultHooks(sys.argv[1], 0); "
+            "h.before_step(1); h.before_step(2); print('resumed', flush=True)")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 20
+        state = ""
+        while time.monotonic() < deadline:
+            state = open(f"/proc/{proc.pid}/stat").read().rsplit(")", 1)[1].split()[0]
+            if state == "T":
+                break
+            time.sleep(0.05)
+        assert state == "T"
+        proc.send_signal(signal.SIGCONT)
+        assert proc.communicate(timeout=20)[0].strip() == "resumed"
+    finally:
+        proc.kill()
+
+
+# -- goodput -----------------------------------------------------------------------------------
+def test_goodput_counts_redone_steps_as_lost():
+    ev = [{"ts": 0.0, "source": "launcher", "kind": "launcher.start"}]
+    ev += [{"ts": 10.0, "source": "trainer/rank0", "kind": "trainer.start", "step": 0}]
+    ev += [{"ts": 10.0 + s, "source": "trainer/rank0", "kind": "trainer.step", "step": s, "step_time": 1.0}
+           for s in range(1, 6)]  # steps 1..5 at t=11..15
+    ev += [{"ts": 25.0, "source": "trainer/rank0", "kind": "trainer.start", "step": 3}]
+    ev += [{"ts": 26.0 + i, "source": "trainer/rank0", "kind": "trainer.step", "step": s, "step_time": 1.0}
+           for i, s in enumerate(range(4, 7))]  # 4, 5 redone, then 6; ends t=28
+    g = compute_goodput(ev)
+    assert g["steps_kept"] == 6 and g["steps_redone"] == 2
+    assert g["productive_s"] == 6.0 and g["lost_s"] == 2.0
+    assert g["startup_s"] == 10.0  # first step began at t=10
+    assert g["recovery_s"] == 10.0  # last step before restart ended 15, next began 25
+    assert g["goodput"] == round(6.0 / 28.0, 4)
