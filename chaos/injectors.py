@@ -532,7 +532,8 @@ def _proc_cmdline(pid: int) -> list[str]:
 
 # -- hardware readings --------------------------------------------------------------------
 def _default_readings() -> dict[str, Any]:
-    return {"gpu": {0: {"ecc_uncorrected_volatile": 4}}}
+    # A GEMM running at a tenth of its expected speed: fails the screen on CPU-only hosts too.
+    return {"gemm": {"tflops_scale": 0.1}}
 
 
 @dataclass(kw_only=True)

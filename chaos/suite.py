@@ -17,7 +17,6 @@ hidden, and do not fail the suite.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
@@ -55,12 +54,6 @@ def _spec(fault: str, target: str, at_step: int | None = None, at_time_s: float 
     return FaultSpec(fault, target, at_step, at_time_s, from_dict(REGISTRY[fault].Params, params))
 
 
-def _agent_has(name: str) -> bool:
-    from elastic.agent_config import AgentConfig
-
-    return any(f.name == name for f in dataclasses.fields(AgentConfig))
-
-
 def standard_scenarios(num_nodes: int, steps: int, interval: int) -> list[Scenario]:
     """One scenario per fault kind, sized for ``num_nodes`` local nodes."""
     last = f"node{num_nodes - 1}"
@@ -70,9 +63,8 @@ def standard_scenarios(num_nodes: int, steps: int, interval: int) -> list[Scenar
     def ex(**kw: Any) -> Expectation:
         return Expectation(steps=steps, **kw)
 
-    hang_overrides: dict[str, Any] = {"agent.pg_timeout_s": 6}
-    if _agent_has("heartbeat_timeout_s"):
-        hang_overrides["agent.heartbeat_timeout_s"] = 4
+    # Hang detection by the agent's step heartbeat; a short timeout keeps the scenario short.
+    hang_overrides: dict[str, Any] = {"agent.heartbeat.step_timeout_s": 4}
     scenarios = [
         Scenario("kill_worker", [_spec("kill_worker", "node1", at_step=ckpt - 2)], ex()),
         Scenario("corrupt_checkpoint",
@@ -85,16 +77,12 @@ def standard_scenarios(num_nodes: int, steps: int, interval: int) -> list[Scenar
                   _spec("kill_during_rendezvous", "node1", at_step=interval + 1)], ex()),
         Scenario("etcd_outage", [_spec("etcd_outage", "etcd", at_step=interval + 2, duration_s=3.0)], ex()),
         Scenario("hang_worker", [_spec("hang_worker", "node1", at_step=interval + 2)],
-                 ex(required_events=["agent.hang_detected"]), overrides=hang_overrides,
-                 pending="hang detection (agent.heartbeat_timeout_s, event agent.hang_detected); until then "
-                         "only the collective timeout (agent.pg_timeout_s) gets the run going again"),
+                 ex(required_events=["agent.hang_detected"]), overrides=hang_overrides),
         Scenario("straggler", [_spec("straggler", "node1", at_step=interval, delay_s=0.3, num_steps=4)],
-                 ex(required_events=["fault.fired"]),
-                 pending="trainer/train.py calling elastic.faults.FaultHooks (event fault.fired)"),
+                 ex(required_events=["fault.fired"])),
         Scenario("nan", [_spec("nan", "rank0", at_time_s=0, step=ckpt + 1)],
                  ex(bitwise=False, required_events=["agent.rollback"],
-                    note="the NaN rollback skips a batch, so the data seen differs"),
-                 pending="NaN exit 87 + agent rollback to the last committed checkpoint (event agent.rollback)"),
+                    note="the NaN rollback skips a batch, so the data seen differs")),
         Scenario("ckpt_write_error", [_spec("ckpt_write_error", "any", at_time_s=0, step=ckpt)],
                  ex(required_events=["checkpoint.save_failed"]),
                  pending="checkpoint save failing loudly and training going on (event checkpoint.save_failed)"),
@@ -106,8 +94,7 @@ def standard_scenarios(num_nodes: int, steps: int, interval: int) -> list[Scenar
                      nodes=shrink),
             Scenario("bad_hardware", [_spec("bad_hardware", last, at_time_s=0)],
                      ex(bitwise=False, excluded={last}, launcher_rc=None,
-                        note="the excluded node leaves a smaller world"), nodes=shrink,
-                     pending="agent pre-flight diag screen reading faults/diag-<node>.yaml, exit 93 on fail"),
+                        note="the excluded node leaves a smaller world"), nodes=shrink),
         ]
     return scenarios
 

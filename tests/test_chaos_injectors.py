@@ -200,14 +200,24 @@ def test_ckpt_write_error_fault_hands_the_writer_an_enospc(tmp_path):
 
 
 def test_bad_hardware_writes_the_nodes_diag_overlay(tmp_path):
-    inj = injector("bad_hardware", "node2", readings={"gemm": {"tflops_scale": 0.2}})
+    inj = injector("bad_hardware", "node2", readings={"gpu": {0: {"ecc_uncorrected_volatile": 4}}})
     record = inj.inject(make_ctx(tmp_path))
     path = tmp_path / "faults" / "diag-node2.yaml"
     assert record.detail["file"] == str(path)
-    assert yaml.safe_load(path.read_text()) == {"gemm": {"tflops_scale": 0.2}}
+    assert yaml.safe_load(path.read_text()) == {"gpu": {0: {"ecc_uncorrected_volatile": 4}}}
     injector("bad_hardware", "node1").inject(make_ctx(tmp_path))
-    assert yaml.safe_load((tmp_path / "faults" / "diag-node1.yaml").read_text()) == \
-        {"gpu": {0: {"ecc_uncorrected_volatile": 4}}}
+    assert yaml.safe_load((tmp_path / "faults" / "diag-node1.yaml").read_text()) == {"gemm": {"tflops_scale": 0.1}}
+
+
+def test_bad_hardware_overlay_really_fails_the_diag_screen(tmp_path):
+    injector("bad_hardware", "node1").inject(make_ctx(tmp_path))
+    overlay = tmp_path / "faults" / "diag-node1.yaml"
+    proc = subprocess.run([sys.executable, "-m", "diagnostics.cli", "burnin", "--quick", "--checks", "gemm",
+                           "--json", str(tmp_path / "r.json"), "--inject", str(overlay)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0, proc.stdout + proc.stderr
+    checks = json.loads((tmp_path / "r.json").read_text())["checks"]
+    assert [c["verdict"] for c in checks if c["name"] == "gemm"] == ["fail"]
 
 
 # -- checkpoint corruption ----------------------------------------------------------------------
