@@ -1,0 +1,322 @@
+"""Each injector really fires: processes really die or stop, files really change, etcd really freezes.
+
+Cheap stand-ins replace the training run: a sleeping child process plays the
+worker/agent/torchrun (its pid written into hand-made run events), a
+single-process CheckpointManager writes a real committed checkpoint, and the
+conftest etcd fixture is the server to freeze.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+
+from chaos.follow import RunFollower
+from chaos.injectors import (
+    REGISTRY, InjectionContext, TargetNotFound,
+)
+from chaos.plan import parse_plan
+from elastic.faults import FaultHooks
+from elastic.procs import alive
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def proc_state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as fh:
+        return fh.read().rsplit(")", 1)[1].split()[0]
+
+
+@pytest.fixture
+def sleeper():
+    procs: list[subprocess.Popen] = []
+
+    def start() -> subprocess.Popen:
+        proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+        procs.append(proc)
+        return proc
+
+    yield start
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+
+
+class Events:
+    """Hand-written run events (the fields the runtime's writers emit)."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.dir = run_dir / "events"
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.ts = time.time()
+
+    def add(self, source: str, kind: str, pid: int, **fields) -> None:
+        self.ts += 0.01
+        name = source.replace("/", "-") + ".jsonl"
+        event = {"ts": self.ts, "mono": self.ts, "kind": kind, "source": source, "pid": pid, **fields}
+        with open(self.dir / name, "a") as fh:
+            fh.write(json.dumps(event) + "\n")
+
+
+def make_ctx(run_dir: Path) -> InjectionContext:
+    follower = RunFollower(run_dir)
+    follower.poll()
+    return InjectionContext(run_dir, follower, None, ["node0", "node1"])
+
+
+def injector(name: str, target: str, **params):
+    spec = parse_plan({"faults": [{"fault": name, "target": target, "at_step": 0, "params": params}]}).faults[0]
+    return spec.build()
+
+
+def wait_until(pred, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.02)
+    return pred()
+
+
+# -- signals ------------------------------------------------------------------------------
+def test_kill_worker_sigkills_the_targets_live_worker(tmp_path, sleeper):
+    w0, w1 = sleeper(), sleeper()
+    ev = Events(tmp_path)
+    ev.add("trainer/rank0", "trainer.start", w0.pid, node="node0", step=0)
+    ev.add("trainer/rank1", "trainer.start", w1.pid, node="node1", step=0)
+    ev.add("trainer/rank1", "trainer.step", w1.pid, step=5, loss=0.1, step_time=0.1)
+    record = injector("kill_worker", "node1").inject(make_ctx(tmp_path))
+    assert record.pids == [w1.pid] and record.step == 5 and record.detail["rank"] == 1
+    assert w1.wait(timeout=5) == -9
+    assert w0.poll() is None
+    # Now node1 has no live worker: the injector says so instead of hitting something else.
+    with pytest.raises(TargetNotFound):
+        injector("kill_worker", "node1").inject(make_ctx(tmp_path))
+    injector("kill_worker", "rank0").inject(make_ctx(tmp_path))
+    assert w0.wait(timeout=5) == -9
+
+
+def test_kill_agent_sigkills_the_node_agent(tmp_path, sleeper):
+    agent = sleeper()
+    Events(tmp_path).add("launcher", "launcher.agent_started", 1, node="node1", agent_pid=agent.pid)
+    record = injector("kill_agent", "node1").inject(make_ctx(tmp_path))
+    assert record.pids == [agent.pid]
+    assert agent.wait(timeout=5) == -9
+
+
+def test_hang_worker_stops_and_optionally_resumes(tmp_path, sleeper):
+    w = sleeper()
+    Events(tmp_path).add("trainer/rank1", "trainer.start", w.pid, node="node1", step=0)
+    hang = injector("hang_worker", "rank1", resume_after_s=0.5)
+    hang.inject(make_ctx(tmp_path))
+    assert wait_until(lambda: proc_state(w.pid) == "T", 2), "not stopped"
+    assert wait_until(lambda: proc_state(w.pid) != "T", 5), "not continued after resume_after_s"
+    forever = injector("hang_worker", "rank1")
+    forever.inject(make_ctx(tmp_path))
+    assert wait_until(lambda: proc_state(w.pid) == "T", 2)
+    time.sleep(0.6)
+    assert proc_state(w.pid) == "T"  # no resume asked for: stays stopped
+    forever.cleanup()  # but never left stopped after the run
+    assert wait_until(lambda: proc_state(w.pid) != "T", 2)
+
+
+def test_kill_during_rendezvous_waits_for_a_new_round(tmp_path, sleeper):
+    torchrun, worker = sleeper(), sleeper()
+    ev = Events(tmp_path)
+    ev.add("agent/node1", "agent.state", 11, state="RUNNING", epoch=0, torchrun_pid=worker.pid)
+    ev.add("trainer/rank1", "trainer.start", worker.pid, node="node1", step=0)
+    inj = injector("kill_during_rendezvous", "node1")
+    assert not inj.ready(make_ctx(tmp_path))  # epoch 0 is excluded by min_epoch=1, and it has started
+    ev.add("agent/node1", "agent.state", 11, state="RUNNING", epoch=1, torchrun_pid=torchrun.pid)
+    ctx = make_ctx(tmp_path)
+    assert inj.ready(ctx)
+    record = inj.inject(ctx)
+    assert record.pids == [torchrun.pid] and record.detail["epoch"] == 1
+    assert torchrun.wait(timeout=5) == -9
+    # Once a worker of the round has started, the rendezvous is over.
+    ev.add("agent/node1", "agent.state", 11, state="RUNNING", epoch=2, torchrun_pid=worker.pid)
+    ev.add("trainer/rank0", "trainer.start", 12, node="node0", step=4)
+    assert not injector("kill_during_rendezvous", "node1").ready(make_ctx(tmp_path))
+
+
+def test_kill_during_checkpoint_only_inside_the_save_window(tmp_path, sleeper):
+    w = sleeper()
+    ev = Events(tmp_path)
+    ev.add("trainer/rank1", "trainer.start", w.pid, node="node1", step=0)
+    ev.add("trainer/rank1", "checkpoint.save_start", w.pid, step=4)
+    ev.add("trainer/rank1", "checkpoint.committed", w.pid, step=4)
+    inj = injector("kill_during_checkpoint", "rank1", min_step=4)
+    assert not inj.ready(make_ctx(tmp_path))  # step 4's save already committed
+    ev.add("trainer/rank1", "checkpoint.save_start", w.pid, step=8)
+    ctx = make_ctx(tmp_path)
+    assert inj.ready(ctx)
+    record = inj.inject(ctx)
+    assert record.pids == [w.pid] and record.detail["checkpoint_step"] == 8
+    assert w.wait(timeout=5) == -9
+
+
+# -- in-worker fault files --------------------------------------------------------------------
+def test_nan_fault_makes_the_workers_hook_return_nan_once(tmp_path):
+    record = injector("nan", "rank1", step=7).inject(make_ctx(tmp_path))
+    assert Path(record.detail["file"]).exists()
+    rank1, rank0 = FaultHooks(tmp_path, rank=1), FaultHooks(tmp_path, rank=0)
+    assert rank0.loss(7, 1.0) == 1.0  # other ranks untouched
+    assert rank1.loss(6, 1.0) == 1.0
+    assert math.isnan(rank1.loss(7, 1.0))
+    assert rank1.loss(7, 1.0) == 1.0  # fired once: the replay after a rollback runs clean
+
+
+def test_straggler_fault_slows_only_its_rank_and_steps(tmp_path):
+    ev = Events(tmp_path)
+    ev.add("trainer/rank0", "trainer.step", 1, step=3, loss=0.1, step_time=0.1)
+    record = injector("straggler", "node1", delay_s=0.2, num_steps=2).inject(make_ctx(tmp_path))
+    assert record.detail["spec"]["from_step"] == 5 and record.detail["spec"]["to_step"] == 6
+    slow, fast = FaultHooks(tmp_path, rank=1), FaultHooks(tmp_path, rank=0)
+
+    def timed(hooks, step):
+        t0 = time.monotonic()
+        hooks.before_step(step)
+        return time.monotonic() - t0
+
+    assert timed(slow, 5) >= 0.2 and timed(slow, 6) >= 0.2
+    assert timed(slow, 7) < 0.1 and timed(fast, 5) < 0.1
+
+
+def test_ckpt_write_error_fault_hands_the_writer_an_enospc(tmp_path):
+    injector("ckpt_write_error", "any", step=8).inject(make_ctx(tmp_path))
+    hooks = FaultHooks(tmp_path, rank=0)
+    assert hooks.checkpoint_write_error(4) is None
+    err = hooks.checkpoint_write_error(8)
+    assert isinstance(err, OSError) and err.errno == 28
+
+
+def test_bad_hardware_writes_the_nodes_diag_overlay(tmp_path):
+    inj = injector("bad_hardware", "node2", readings={"gpu": {0: {"ecc_uncorrected_volatile": 4}}})
+    record = inj.inject(make_ctx(tmp_path))
+    path = tmp_path / "faults" / "diag-node2.yaml"
+    assert record.detail["file"] == str(path)
+    assert yaml.safe_load(path.read_text()) == {"gpu": {0: {"ecc_uncorrected_volatile": 4}}}
+    injector("bad_hardware", "node1").inject(make_ctx(tmp_path))
+    assert yaml.safe_load((tmp_path / "faults" / "diag-node1.yaml").read_text()) == {"gemm": {"tflops_scale": 0.1}}
+
+
+def test_bad_hardware_overlay_really_fails_the_diag_screen(tmp_path):
+    injector("bad_hardware", "node1").inject(make_ctx(tmp_path))
+    overlay = tmp_path / "faults" / "diag-node1.yaml"
+    proc = subprocess.run([sys.executable, "-m", "diagnostics.cli", "burnin", "--quick", "--checks", "gemm",
+                           "--json", str(tmp_path / "r.json"), "--inject", str(overlay)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0, proc.stdout + proc.stderr
+    checks = json.loads((tmp_path / "r.json").read_text())["checks"]
+    assert [c["verdict"] for c in checks if c["name"] == "gemm"] == ["fail"]
+
+
+# -- checkpoint corruption ----------------------------------------------------------------------
+@pytest.fixture
+def committed(tmp_path):
+    import torch
+
+    from elastic.checkpoint import CheckpointConfig, CheckpointManager
+
+    manager = CheckpointManager(CheckpointConfig(interval_steps=4, keep_last=3), tmp_path / "checkpoints")
+    for step in (4, 8):
+        manager.save(step, {"app": {"w": torch.arange(4096, dtype=torch.float32) * step}})
+    for step in (4, 8):
+        manager.verify(step)  # both good before the fault
+    return manager
+
+
+@pytest.mark.parametrize("mode", ["flip", "truncate"])
+def test_corrupt_checkpoint_damages_the_newest_commit_so_verify_rejects_it(tmp_path, committed, mode):
+    from elastic.checkpoint import CheckpointCorrupt
+
+    record = injector("corrupt_checkpoint", "any", mode=mode).inject(make_ctx(tmp_path))
+    assert record.detail["checkpoint_step"] == 8
+    assert Path(record.detail["file"]).name == "__0_0.distcp"  # the largest data file
+    with pytest.raises(CheckpointCorrupt, match="step-00000008: checksum mismatch in __0_0.distcp"):
+        committed.verify(8)
+    committed.verify(4)  # the older one is untouched
+
+    from chaos.analysis import verify_committed
+
+    verdicts = verify_committed(tmp_path / "checkpoints")
+    assert verdicts[4] is None and "checksum mismatch" in verdicts[8]
+
+
+def test_corrupt_checkpoint_without_a_commit_is_not_found(tmp_path):
+    (tmp_path / "checkpoints" / ".step-00000004.tmp-1").mkdir(parents=True)
+    with pytest.raises(TargetNotFound):
+        injector("corrupt_checkpoint", "any").inject(make_ctx(tmp_path))
+
+
+# -- etcd ----------------------------------------------------------------------------------------
+def etcd_healthy(endpoint: str, timeout: float = 0.5) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://{endpoint}/health", timeout=timeout) as resp:
+            return b'"health":"true"' in resp.read()
+    except OSError:
+        return False
+
+
+def test_etcd_outage_stop_freezes_then_thaws_the_server(tmp_path, etcd_server):
+    Events(tmp_path).add("launcher", "launcher.etcd_started", 1, etcd_pid=etcd_server.pid,
+                         endpoint=etcd_server.endpoint)
+    assert etcd_healthy(etcd_server.endpoint)
+    outage = injector("etcd_outage", "etcd", duration_s=1.5)
+    t0 = time.monotonic()
+    outage.inject(make_ctx(tmp_path))
+    try:
+        assert proc_state(etcd_server.pid) == "T"
+        assert not etcd_healthy(etcd_server.endpoint, timeout=0.5)  # really unresponsive
+        assert wait_until(lambda: etcd_healthy(etcd_server.endpoint), 6)
+        assert time.monotonic() - t0 >= 1.5
+    finally:
+        outage.cleanup()
+
+
+def test_etcd_outage_kill_restarts_it_with_its_data(tmp_path, etcd_server):
+    from elastic.store import EtcdStore
+
+    EtcdStore(etcd_server.endpoint).put("/chaos/probe", "kept")
+    Events(tmp_path).add("launcher", "launcher.etcd_started", 1, etcd_pid=etcd_server.pid,
+                         endpoint=etcd_server.endpoint)
+    old = etcd_server.pid
+    outage = injector("etcd_outage", "etcd", duration_s=1.0, mode="kill")
+    outage.inject(make_ctx(tmp_path))
+    try:
+        assert wait_until(lambda: not alive(old), 3)
+        assert not etcd_healthy(etcd_server.endpoint)
+        assert wait_until(lambda: outage.respawned_pid is not None and etcd_healthy(etcd_server.endpoint), 15)
+        assert outage.respawned_pid != old
+        assert EtcdStore(etcd_server.endpoint).get("/chaos/probe").value in ("kept", b"kept")
+    finally:
+        outage.cleanup()
+    assert not alive(outage.respawned_pid)  # cleanup stops the server it started
+
+
+def test_exclusion_watcher_copies_etcd_exclusion_records_into_events(tmp_path, etcd_server):
+    from chaos.runner import ExclusionWatcher
+    from elastic.agent import Exclusions
+    from elastic.events import EventLog, read_run_events
+    from elastic.store import EtcdStore
+
+    log = EventLog(tmp_path / "events" / "chaos.jsonl", "chaos")
+    watcher = ExclusionWatcher(etcd_server.endpoint, "/elastic/runs/t", log, interval_s=0.1)
+    watcher.start()
+    try:
+        Exclusions(EtcdStore(etcd_server.endpoint), "/elastic/runs/t").add("node2", "diag: ecc errors")
+        assert wait_until(lambda: any(e["kind"] == "chaos.exclusions" and e["nodes"] == ["node2"]
+                                      for e in read_run_events(tmp_path)), 5)
+    finally:
+        watcher.stop()
+    record = next(e for e in read_run_events(tmp_path) if e["kind"] == "chaos.exclusions")
+    assert json.loads(record["records"]["node2"])["reason"] == "diag: ecc errors"
