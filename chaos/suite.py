@@ -84,8 +84,7 @@ def standard_scenarios(num_nodes: int, steps: int, interval: int) -> list[Scenar
                  ex(bitwise=False, required_events=["agent.rollback"],
                     note="the NaN rollback skips a batch, so the data seen differs")),
         Scenario("ckpt_write_error", [_spec("ckpt_write_error", "any", at_time_s=0, step=ckpt)],
-                 ex(required_events=["checkpoint.save_failed"]),
-                 pending="checkpoint save failing loudly and training going on (event checkpoint.save_failed)"),
+                 ex(required_events=["checkpoint.save_failed"])),
     ]
     if shrink:
         scenarios += [

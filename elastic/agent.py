@@ -47,6 +47,7 @@ from enum import Enum
 from pathlib import Path
 
 from elastic.agent_config import AgentConfig, RendezvousConfig
+from elastic.checkpoint_publish import read_latest
 from elastic.classify import UNCOUNTED, FailureKind, classify
 from elastic.config import ConfigError
 from elastic.events import EventLog
@@ -340,6 +341,13 @@ class NodeAgent:
         return self._no_progress_guard()
 
     def _no_progress_guard(self) -> int | None:
+        try:
+            latest = read_latest(self.store, self.prefix)
+        except (StoreError, ValueError):
+            latest = None
+        if latest and int(latest.get("step", -1)) > self.last_commit:
+            self.last_commit = int(latest["step"])
+            self.restarts_since_progress = 1  # progress since the last restart: only this one counts
         limit = self.config.failure.no_progress_restarts
         if limit and self.restarts_since_progress > limit:
             return self._stop_run(f"no progress: {self.restarts_since_progress - 1} restarts without a new "

@@ -21,7 +21,7 @@ import yaml
 
 from chaos.follow import RunFollower
 from chaos.injectors import (
-    REGISTRY, InjectionContext, TargetNotFound,
+    InjectionContext, TargetNotFound,
 )
 from chaos.plan import parse_plan
 from elastic.faults import FaultHooks

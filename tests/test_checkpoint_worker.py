@@ -185,6 +185,9 @@ def scenario_main(workdir: Path) -> None:
     dist.barrier()
     assert mgr.last_error is None, mgr.last_error
     assert mgr.committed_steps() == [2]
+    loaded = mgr.load_latest(rig.state)
+    assert loaded is not None and loaded[0] == 2, loaded
+    assert_same(rig.snapshot(), ref2, "step 2 holds the state of save(), not of the step trained after it")
 
     # 2. A second save waits for the first (gate 4 opens later from a timer thread).
     rig.train(4)

@@ -42,6 +42,8 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from elastic.checkpoint import CheckpointConfig, CheckpointManager
 from elastic.config import ConfigError, from_dict, to_dict
 from elastic.events import EventLog
+from elastic.checkpoint_publish import publisher_from_env
+from elastic.checkpoint_storage import FAIL_WRITE_ENV
 from elastic.faults import FaultHooks
 from elastic.worker import EXIT_NUMERICS, WorkerContext, pg_timeout, skip_steps
 from trainer.data import GlobalSampler, build_dataset, collate
@@ -231,7 +233,7 @@ def train(cfg_file: DiTTrainerFile, run_dir: Path) -> str:
     # FSDP's collectives on the default group (measured crash otherwise).
     ckpt_group = dist.new_group(backend="gloo")
     manager = CheckpointManager(cfg_file.checkpoint, checkpoint_root(cfg_file, run_dir), cfg_file.fingerprint,
-                                events, ckpt_group)
+                                events, ckpt_group, publisher=publisher_from_env())
     loaded = manager.load_latest({"app": state})
     rank_rng = restore_rank_rng(loaded[1]) if loaded else False
     start = state.step if loaded else 0
@@ -259,7 +261,6 @@ def train(cfg_file: DiTTrainerFile, run_dir: Path) -> str:
                 events.emit("trainer.step_skipped", step=step, reason="numerics rollback")
                 if manager.should_save(step) or step == cfg.steps:
                     manager.save(step, {"app": state}, extra=rank_rng_state())
-                    worker.report_commit(step)
                 continue
             inject = _inject_nan(cfg, run_dir, step, rank) or hooks.loss(step, 1.0) != 1.0
             optim.zero_grad(set_to_none=True)
@@ -301,8 +302,10 @@ def train(cfg_file: DiTTrainerFile, run_dir: Path) -> str:
                         lr=lr, skipped=not verdict.ok, samples_seen=sampler.samples_seen, fp8=fp8_stats(model))
             worker.report_step(step, loss_value, step_time, step_time - wait)
             if manager.should_save(step) or step == cfg.steps:
+                if hooks.checkpoint_write_error(step) is not None:
+                    os.environ[FAIL_WRITE_ENV] = f"{step}:{rank}"  # this rank's write of this save hits ENOSPC
+                # Commits in the background; published to etcd (the agents' progress signal) when done.
                 manager.save(step, {"app": state}, extra=rank_rng_state())
-                worker.report_commit(step)
     except NumericsRollback as exc:
         worker.report_numerics(exc.step, exc.reason)
         events.emit("trainer.rollback", step=exc.step, reason=exc.reason)

@@ -37,6 +37,8 @@ from torch.distributed.fsdp import fully_shard
 from elastic.checkpoint import CheckpointConfig, CheckpointManager
 from elastic.config import ConfigError, from_dict
 from elastic.events import EventLog
+from elastic.checkpoint_publish import publisher_from_env
+from elastic.checkpoint_storage import FAIL_WRITE_ENV
 from elastic.faults import FaultHooks
 from elastic.worker import EXIT_NUMERICS, WorkerContext, pg_timeout, skip_steps
 from trainer.minimal_config import MLPTrainerConfig
@@ -141,7 +143,8 @@ def train(cfg_file: _TrainerFile, run_dir: Path) -> str:
     # Checkpoint collectives get their own gloo group, so they can never interleave with
     # FSDP's collectives on the default group (measured crash otherwise).
     ckpt_group = dist.new_group(backend="gloo")
-    manager = CheckpointManager(cfg_file.checkpoint, ckpt_root, cfg_file.fingerprint, events, ckpt_group)
+    manager = CheckpointManager(cfg_file.checkpoint, ckpt_root, cfg_file.fingerprint, events, ckpt_group,
+                                publisher=publisher_from_env())
 
     loaded = manager.load_latest({"app": app})
     start = app.step if loaded else 0
@@ -183,9 +186,11 @@ def train(cfg_file: _TrainerFile, run_dir: Path) -> str:
             events.emit("trainer.step", step=step, loss=loss_value, step_time=step_time, busy_time=step_time - wait)
             worker.report_step(step, loss_value, step_time, step_time - wait)
         if manager.should_save(step) or step == cfg.steps:
-            manager.save(step, {"app": app})
-            worker.report_commit(step)
+            if hooks.checkpoint_write_error(step) is not None:
+                os.environ[FAIL_WRITE_ENV] = f"{step}:{rank}"  # this rank's write of this save hits ENOSPC
+            manager.save(step, {"app": app})  # commits in the background; published to etcd when done
 
+    manager.close()  # the final save must commit before the process group goes away
     worker.report_done(cfg.steps)
     checksum = param_checksum(model)
     if rank == 0:
