@@ -73,7 +73,9 @@ def verify_committed(root: Path) -> dict[int, str | None]:
             out[step] = f"unreadable COMMIT ({exc})"
             continue
         problem = None
-        for name, digest in marker.get("files", {}).items():
+        for name, info in marker.get("files", {}).items():
+            # COMMIT lists {"sha256", "bytes"} per file (older markers: the digest alone).
+            digest = info["sha256"] if isinstance(info, dict) else info
             file = path / name
             if not file.is_file():
                 problem = f"missing {name}"

@@ -18,6 +18,7 @@ hidden, and do not fail the suite.
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
@@ -148,6 +149,8 @@ def launch_scenario(scenario: Scenario | None, name: str, cfg: SuiteConfig) -> _
     """Run one scenario's launch under its plan (no checks yet: those need the baseline's checksum)."""
     base = cfg.out_dir / name
     run_dir = base / "run"
+    # A scenario always starts from nothing: a previous suite's checkpoints would be resumed.
+    shutil.rmtree(run_dir, ignore_errors=True)
     config = write_config(base / "run.yaml", run_dir, cfg)
     argv = ["elastic-launch", str(config)]
     if scenario is not None and scenario.nodes:
