@@ -230,6 +230,7 @@ def committed(tmp_path):
     manager = CheckpointManager(CheckpointConfig(interval_steps=4, keep_last=3), tmp_path / "checkpoints")
     for step in (4, 8):
         manager.save(step, {"app": {"w": torch.arange(4096, dtype=torch.float32) * step}})
+    manager.close()  # saves commit in the background
     for step in (4, 8):
         manager.verify(step)  # both good before the fault
     return manager
@@ -241,8 +242,9 @@ def test_corrupt_checkpoint_damages_the_newest_commit_so_verify_rejects_it(tmp_p
 
     record = injector("corrupt_checkpoint", "any", mode=mode).inject(make_ctx(tmp_path))
     assert record.detail["checkpoint_step"] == 8
-    assert Path(record.detail["file"]).name == "__0_0.distcp"  # the largest data file
-    with pytest.raises(CheckpointCorrupt, match="step-00000008: checksum mismatch in __0_0.distcp"):
+    assert Path(record.detail["file"]).name == "shard-00000.safetensors"  # the largest data file
+    what = "checksum" if mode == "flip" else "size"  # a truncated file is caught by its size first
+    with pytest.raises(CheckpointCorrupt, match=f"step-00000008: {what} mismatch in shard-00000.safetensors"):
         committed.verify(8)
     committed.verify(4)  # the older one is untouched
 

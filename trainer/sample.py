@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 
 from elastic.checkpoint import CheckpointCorrupt, CheckpointManager, step_dir_name
+from elastic.checkpoint_format import SafetensorsShardReader
 from elastic.config import ConfigError
 from elastic.events import EventLog
 from trainer.dit import DiT, build_dit
@@ -84,7 +85,8 @@ def load_model(cfg_file: DiTTrainerFile, run_dir: Path, step: int | None = None)
     else:
         ckpts.verify(step)
     model = build_dit(cfg_file.trainer.model, cfg_file.trainer.seed)
-    dcp.load({"app": _ModelOnly(model)}, checkpoint_id=str(ckpts.root / step_dir_name(step)))
+    path = ckpts.root / step_dir_name(step)
+    dcp.load({"app": _ModelOnly(model)}, storage_reader=SafetensorsShardReader(path), no_dist=True)
     return model.eval(), step
 
 
