@@ -23,7 +23,6 @@ floating-point reduction order.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import os
 import sys
 import time
@@ -45,6 +44,7 @@ from elastic.events import EventLog
 from elastic.checkpoint_publish import publisher_from_env
 from elastic.checkpoint_storage import FAIL_WRITE_ENV
 from elastic.faults import FaultHooks
+from trainer.checksum import param_checksum, publish_checksum
 from elastic.worker import EXIT_NUMERICS, WorkerContext, pg_timeout, skip_steps
 from trainer.data import GlobalSampler, build_dataset, collate
 from trainer.dit import DiT, build_dit
@@ -132,21 +132,6 @@ def restore_rank_rng(extra: dict[str, Any]) -> bool:
     if "torch_cuda" in extra and torch.cuda.is_available():
         torch.cuda.set_rng_state(extra["torch_cuda"])
     return True
-
-
-def canonical_name(name: str) -> str:
-    return name.replace("_checkpoint_wrapped_module.", "")
-
-
-def param_checksum(model: nn.Module) -> str:
-    """sha256 over the full (unsharded) parameters in name order; collective."""
-    digest = hashlib.sha256()
-    params = sorted((canonical_name(n), p) for n, p in model.named_parameters())
-    for name, param in params:
-        full = param.full_tensor() if hasattr(param, "full_tensor") else param
-        digest.update(name.encode())
-        digest.update(full.detach().float().cpu().contiguous().numpy().tobytes())
-    return digest.hexdigest()
 
 
 def global_grad_norm(model: nn.Module) -> torch.Tensor:
@@ -317,9 +302,7 @@ def train(cfg_file: DiTTrainerFile, run_dir: Path) -> str:
     getattr(manager, "close", lambda: None)()
     worker.report_done(cfg.steps)
     checksum = param_checksum(model)
-    if rank == 0:
-        (run_dir / "final_checksum.txt").write_text(checksum + "\n")
-        print(f"FINAL_CHECKSUM {checksum}", flush=True)
+    publish_checksum(run_dir, rank, checksum)
     events.emit("trainer.done", step=cfg.steps, checksum=checksum, total_skips=guard.total_skips)
     dist.barrier()
     dist.destroy_process_group()

@@ -16,7 +16,6 @@ checksum is printed (``FINAL_CHECKSUM <sha256>``) and written to
 from __future__ import annotations
 
 import argparse
-import hashlib
 import os
 import sys
 import time
@@ -40,6 +39,7 @@ from elastic.events import EventLog
 from elastic.checkpoint_publish import publisher_from_env
 from elastic.checkpoint_storage import FAIL_WRITE_ENV
 from elastic.faults import FaultHooks
+from trainer.checksum import param_checksum, publish_checksum
 from elastic.worker import EXIT_NUMERICS, WorkerContext, pg_timeout, skip_steps
 from trainer.minimal_config import MLPTrainerConfig
 
@@ -110,16 +110,6 @@ def _all_finite(loss: torch.Tensor) -> bool:
     flag = torch.tensor([0.0 if torch.isfinite(loss.detach()).all() else 1.0])
     dist.all_reduce(flag)
     return flag.item() == 0.0
-
-
-def param_checksum(model: nn.Module) -> str:
-    """sha256 over the full (unsharded) parameters in name order; collective."""
-    digest = hashlib.sha256()
-    for name, param in sorted(model.named_parameters()):
-        full = param.full_tensor() if hasattr(param, "full_tensor") else param
-        digest.update(name.encode())
-        digest.update(full.detach().cpu().contiguous().numpy().tobytes())
-    return digest.hexdigest()
 
 
 def train(cfg_file: _TrainerFile, run_dir: Path) -> str:
@@ -193,9 +183,7 @@ def train(cfg_file: _TrainerFile, run_dir: Path) -> str:
     manager.close()  # the final save must commit before the process group goes away
     worker.report_done(cfg.steps)
     checksum = param_checksum(model)
-    if rank == 0:
-        (run_dir / "final_checksum.txt").write_text(checksum + "\n")
-        print(f"FINAL_CHECKSUM {checksum}", flush=True)
+    publish_checksum(run_dir, rank, checksum)
     events.emit("trainer.done", step=cfg.steps, checksum=checksum)
     dist.barrier()
     dist.destroy_process_group()
