@@ -259,9 +259,19 @@ class NodeAgent:
 
     def _run(self) -> int:
         excluded = self.exclusions.get(self.spec.node_id)
+        screened = False
         if excluded is not None:
-            return self._leave_excluded(excluded.get("reason"), excluded.get("until"))
-        if self.config.preflight.enabled:
+            # A node excluded by a failed screen may come back by passing one (repaired); an
+            # exclusion by the leader's policy or an operator only expires or is cleared.
+            if not (self.config.preflight.enabled and excluded.get("by") in ("preflight", "rescreen")):
+                return self._leave_excluded(excluded.get("reason"), excluded.get("until"))
+            passed, reason = self.screen("re-screen of an excluded node")
+            if not passed:
+                return self._exclude_self(reason, self.config.preflight.exclusion_ttl_s, by="preflight", epoch=None)
+            self.exclusions.clear(self.spec.node_id)
+            self.events.emit("agent.exclusion_cleared", previous_reason=excluded.get("reason"))
+            screened = True
+        if self.config.preflight.enabled and not screened:
             passed, reason = self.screen("pre-flight")
             if not passed:
                 return self._exclude_self(reason, self.config.preflight.exclusion_ttl_s, by="preflight", epoch=None)

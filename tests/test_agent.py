@@ -48,3 +48,20 @@ def test_unreadable_exclusion_record_still_excludes(etcd_endpoint):
     store.put("/elastic/runs/r/excluded/x", b"{not json")
     assert Exclusions(store, "/elastic/runs/r").get("x") == {"reason": "unreadable exclusion record", "until": None}
     assert json.loads(json.dumps(Exclusions(store, "/elastic/runs/r").all()))
+
+
+def test_node_excluded_by_a_failed_screen_returns_after_passing_one(etcd_endpoint, tmp_path, subprocess_env):
+    config = write_run_config(tmp_path, nodes="1", steps=4, run_id="back",
+                              agent={"preflight": {"enabled": True, "checks": ["gpu", "membw"]}})
+    run_dir = tmp_path / "run"
+    ex = Exclusions(EtcdStore(etcd_endpoint), run_prefix("/elastic", "back"))
+    ex.add("node0", "pre-flight screen failed: membw: low", ttl_s=600, by="preflight")
+    ex.add("node9", "straggler", ttl_s=600, by="leader/node1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "elastic.agent", "--run-id", "back", "--node-id", "node0",
+         "--etcd-endpoint", etcd_endpoint, "--run-dir", str(run_dir), "--config", str(config)],
+        env=subprocess_env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    kinds = [e["kind"] for e in read_run_events(run_dir)]
+    assert "agent.exclusion_cleared" in kinds and "trainer.done" in kinds
+    assert ex.get("node0") is None and ex.get("node9") is not None  # only the screened node came back
