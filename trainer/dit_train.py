@@ -294,12 +294,12 @@ def train(cfg_file: DiTTrainerFile, run_dir: Path) -> str:
     except NumericsRollback as exc:
         worker.report_numerics(exc.step, exc.reason)
         events.emit("trainer.rollback", step=exc.step, reason=exc.reason)
-        getattr(manager, "close", lambda: None)()
+        manager.close()
         # Every rank reaches the same verdict (global loss and norm), so all of them get here.
         dist.destroy_process_group()
         raise
 
-    getattr(manager, "close", lambda: None)()
+    manager.close()
     worker.report_done(cfg.steps)
     checksum = param_checksum(model)
     publish_checksum(run_dir, rank, checksum)
