@@ -55,6 +55,8 @@ from elastic.heartbeat import HeartbeatMonitor, Silence
 from elastic.leader import ClusterPolicy, LeaderLoop
 from elastic.naming import BACKEND_NAME, run_prefix
 from elastic.procs import child_preexec, descendants, set_parent_death_signal, terminate_tree
+from elastic.replica_config import ReplicaConfig
+from elastic.replicas import LighthouseUnavailable, ReplicaRuntime
 from elastic.store import EtcdStore, LeaseKeeper, StoreError
 from elastic.worker import SKIP_STEPS_ENV
 
@@ -142,7 +144,8 @@ class Exclusions:
 
 
 class NodeAgent:
-    def __init__(self, spec: NodeSpec, config: AgentConfig, rdzv: RendezvousConfig) -> None:
+    def __init__(self, spec: NodeSpec, config: AgentConfig, rdzv: RendezvousConfig,
+                 replicas: ReplicaConfig | None = None) -> None:
         self.spec = spec
         self.config = config
         self.rdzv = rdzv
@@ -165,6 +168,9 @@ class NodeAgent:
         self._sock.bind(("127.0.0.1", 0))
         self._sock.setblocking(False)
         self.monitor = HeartbeatMonitor(config.heartbeat)
+        # Replica-group mode (torchft): this node is one group that restarts alone.
+        self.replicas = (ReplicaRuntime(replicas, self.store, self.prefix, spec.node_id, spec.run_id, spec.run_dir,
+                                        self.events) if replicas is not None and replicas.enabled else None)
 
     # -- keys -------------------------------------------------------------------
     @property
@@ -216,6 +222,8 @@ class NodeAgent:
 
     def bump_epoch(self, seen: int) -> int:
         """Move the run to epoch seen+1 unless someone already moved it; returns the current epoch."""
+        if self.replicas is not None:
+            return seen  # replica groups restart alone: nothing run-wide to re-form
         kv = self.store.get(self.epoch_key)
         current = int(kv.value) if kv else 0
         if current != seen:
@@ -250,6 +258,8 @@ class NodeAgent:
             return self._run()
         finally:
             self._stop_workers("agent exit")
+            if self.replicas is not None:
+                self.replicas.close(drain=self.state == AgentState.SUCCEEDED)
             if self._leader is not None:
                 self._leader.close()
             if self._lease is not None:
@@ -280,7 +290,8 @@ class NodeAgent:
         self._set_state(AgentState.REGISTERED)
         self._leader = LeaderLoop(self.store, self.prefix, self.spec.node_id, self.config.leader,
                                   ClusterPolicy(self.config.leader, self._exclude_other, self.events), self.events,
-                                  is_excluded=lambda node: self.exclusions.get(node) is not None)
+                                  is_excluded=lambda node: self.exclusions.get(node) is not None,
+                                  on_change=self.replicas.on_leadership if self.replicas else None)
         self._leader.start()
         self._join_running_run()
         while not self._stop.is_set():
@@ -491,13 +502,16 @@ class NodeAgent:
         return self.spec.run_dir / "torchrun" / self.spec.node_id / f"e{epoch}-a{self.attempt}"
 
     def _torchrun_cmd(self, epoch: int) -> list[str]:
+        nnodes, rdzv_id = self.spec.nnodes, f"{self.spec.run_id}-e{epoch}"
+        if self.replicas is not None:
+            nnodes, rdzv_id = "1", self.replicas.rdzv_id(self.attempt)
         return [
             sys.executable, "-m", "torch.distributed.run",
-            f"--nnodes={self.spec.nnodes}",
+            f"--nnodes={nnodes}",
             f"--nproc-per-node={self.spec.nproc_per_node}",
             f"--rdzv-backend={BACKEND_NAME}",
             f"--rdzv-endpoint={self.spec.endpoint}",
-            f"--rdzv-id={self.spec.run_id}-e{epoch}",
+            f"--rdzv-id={rdzv_id}",
             f"--rdzv-conf={self.rdzv.torchrun_conf()}",
             "--max-restarts=0",
             "--monitor-interval=0.1",
@@ -530,9 +544,17 @@ class NodeAgent:
         attempt_dir = self.attempt_dir(epoch)
         attempt_dir.mkdir(parents=True, exist_ok=True)
         self.monitor = HeartbeatMonitor(self.config.heartbeat)
+        env = self._torchrun_env(epoch)
+        if self.replicas is not None:
+            try:
+                env.update(self.replicas.worker_env(self.replicas.lighthouse_address(self._stop.is_set)))
+            except LighthouseUnavailable as exc:
+                if self._stop.is_set():
+                    return Attempt("stopped")
+                return Attempt("failed", None, kind=FailureKind.RENDEZVOUS_TIMEOUT, detail=str(exc))
         started = time.monotonic()
         with open(attempt_dir / "torchrun.log", "ab") as log:
-            self._proc = subprocess.Popen(self._torchrun_cmd(epoch), env=self._torchrun_env(epoch),
+            self._proc = subprocess.Popen(self._torchrun_cmd(epoch), env=env,
                                           stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                           preexec_fn=child_preexec(signal.SIGTERM))
         self._known_pids = {self._proc.pid}
@@ -691,7 +713,7 @@ def main(argv: list[str] | None = None) -> int:
         nnodes=cfg.launch.nodes, nproc_per_node=cfg.launch.nproc_per_node,
         entrypoint=[*cfg.launch.entrypoint, "--config", args.config, "--run-dir", str(run_dir)],
     )
-    agent = NodeAgent(spec, cfg.agent, cfg.rendezvous)
+    agent = NodeAgent(spec, cfg.agent, cfg.rendezvous, cfg.replicas)
     agent.install_signal_handlers()
     return agent.run()
 

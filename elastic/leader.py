@@ -145,8 +145,11 @@ class LeaderLoop:
     """Background thread of every agent: campaign, and run the policy while leader."""
 
     def __init__(self, store: EtcdStore, prefix: str, node_id: str, config: LeaderConfig,
-                 policy: ClusterPolicy, events: EventLog, is_excluded: Callable[[str], bool]) -> None:
+                 policy: ClusterPolicy, events: EventLog, is_excluded: Callable[[str], bool],
+                 on_change: Callable[[bool, int | None], None] | None = None) -> None:
         self.is_excluded = is_excluded
+        # Called with (is_leader, lease id) on each change of leadership, from the leader thread.
+        self.on_change = on_change
         self.store = store
         self.prefix = prefix
         self.config = config
@@ -164,6 +167,9 @@ class LeaderLoop:
         self._stop.set()
         self._thread.join(timeout=3)
         self.election.resign()
+        if self.is_leader and self.on_change is not None:
+            self.is_leader = False
+            self.on_change(False, None)
 
     def _run(self) -> None:
         # Campaign at a third of the TTL so that a holder refreshes well before expiry.
@@ -177,7 +183,10 @@ class LeaderLoop:
                 self.events.emit("leader.elected", node=self.election.node_id)
             elif not leader and self.is_leader:
                 self.events.emit("leader.lost", node=self.election.node_id)
+            changed = leader != self.is_leader
             self.is_leader = leader
+            if changed and self.on_change is not None:
+                self.on_change(leader, self.election.lease_id)
             if leader:
                 try:
                     for node in list(self.policy.excluded_by_policy):

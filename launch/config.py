@@ -11,6 +11,7 @@ dotted field path.
     rendezvous: elastic.agent.RendezvousConfig
     checkpoint: elastic.checkpoint.CheckpointConfig
     trainer:    the trainer's own section (trainer.train.MLPTrainerConfig)
+    replicas:   elastic.replica_config.ReplicaConfig (torchft replica-group mode, off by default)
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import yaml
 from elastic.agent_config import AgentConfig, RendezvousConfig
 from elastic.checkpoint_config import CheckpointConfig
 from elastic.config import ConfigError, from_dict, to_dict
+from elastic.replica_config import ReplicaConfig, check_replica_launch
 from trainer.dit_config import DiTTrainerConfig
 from trainer.minimal_config import MLPTrainerConfig
 
@@ -102,8 +104,12 @@ class RunConfig:
     rendezvous: RendezvousConfig = field(default_factory=RendezvousConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     trainer: MLPTrainerConfig = field(default_factory=MLPTrainerConfig)
+    replicas: ReplicaConfig = field(default_factory=ReplicaConfig)
     fingerprint: str = ""
     """Set by the launcher: hash of what defines the training state (checkpoints from other configs are foreign)."""
+
+    def __post_init__(self) -> None:
+        check_replica_launch(self.replicas, self.launch.entrypoint, self.launch.max_nodes)
 
     def run_dir(self) -> Path:
         return Path(self.run.dir or f"runs/{self.run.id}")
@@ -123,6 +129,7 @@ class DiTRunConfig(RunConfig):
     trainer: DiTTrainerConfig = field(default_factory=DiTTrainerConfig)
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         # Every world size the elastic range allows must split the global batch and the cp axis.
         lo, hi = self.launch.min_nodes, self.launch.max_nodes
         for nodes in range(lo, hi + 1):

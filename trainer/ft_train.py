@@ -1,0 +1,202 @@
+"""Replica-group trainer: ``python -m trainer.ft_train --config C --run-dir D`` under torchrun.
+
+The MLP workload of :mod:`trainer.train` (same model, same deterministic batches),
+trained data-parallel *across* replica groups with torchft: one replica group per
+node agent, ``nproc_per_node`` ranks inside a group (FSDP2 when more than one).
+The agent passes the Lighthouse address (``TORCHFT_LIGHTHOUSE``) and the group id
+(``REPLICA_GROUP_ID``); the run config's ``replicas`` section gives the timeouts.
+
+Per step: ``optimizer.zero_grad()`` runs the quorum synchronously and, for a group
+that (re)joins behind its peers, live-recovers model, optimizer and step from a
+healthy peer over the torchft process group (never from disk); the gradients are
+averaged across the participating groups with ``Manager.allreduce``; the wrapped
+optimizer steps only if every group of the quorum votes to commit.  A group whose
+peer died mid-step throws that one step away and goes on with a smaller quorum.
+
+torchft 0.2.0 specifics (see README): ``use_async_quorum=False`` (async quorum races
+FSDP2 state reads during recovery), and no torchft DDP (its comm hook crashes the
+*survivor* when a peer dies inside the allreduce): the gradients go through one
+flat ``manager.allreduce`` per step, or FSDP2's ``set_all_reduce_hook``.
+
+Every step attempt is an event ``trainer.step`` with ``committed``, ``participants``
+and ``quorum_id``; only committed steps count.  At the end each group prints
+``FINAL_CHECKSUM <sha256>`` and writes ``final_checksum-<group>.txt``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import zlib
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import yaml
+from torch import nn
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from elastic.config import ConfigError, from_dict
+from elastic.events import EventLog
+from elastic.replica_config import ReplicaConfig
+from elastic.worker import WorkerContext, pg_timeout
+from trainer.checksum import param_checksum, publish_checksum
+from trainer.minimal_config import MLPTrainerConfig
+from trainer.train import batch_for, build_model, shard_model
+
+
+@dataclass(kw_only=True)
+class _FTTrainerFile:
+    """The parts of the run config this trainer reads; other sections are ignored."""
+
+    trainer: MLPTrainerConfig = field(default_factory=MLPTrainerConfig)
+    replicas: ReplicaConfig = field(default_factory=ReplicaConfig)
+    fingerprint: str = ""
+
+
+def load_trainer_config(path: str | os.PathLike[str]) -> _FTTrainerFile:
+    data = yaml.safe_load(Path(path).read_text()) or {}
+    picked = {k: data[k] for k in ("trainer", "replicas", "fingerprint") if k in data}
+    return from_dict(_FTTrainerFile, picked)
+
+
+def data_rank(replica_id: str, rank: int, world: int) -> int:
+    """The batch stream of (group, rank): distinct per group, stable across the group's restarts."""
+    return (zlib.crc32(replica_id.encode()) % 100_003) * world + rank
+
+
+def flat_allreduce(manager: Any, params: list[nn.Parameter]) -> None:
+    """Average the gradients across the quorum in one collective (torchft 0.2.0: no DDP comm hook)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    # On a peer failure the work completes without error and the manager votes not to commit.
+    manager.allreduce(flat).wait()
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def build_manager(cfg: ReplicaConfig, replica_id: str, device: torch.device, model: nn.Module,
+                  optim: torch.optim.Optimizer) -> Any:
+    from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
+    from torchft.checkpointing.pg_transport import PGTransport
+
+    timeout = timedelta(seconds=cfg.timeout_s)
+    pg = ProcessGroupNCCL(timeout=timeout) if device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
+
+    def state_dict() -> dict[str, Any]:
+        return {"model": model.state_dict(), "optim": optim.state_dict()}
+
+    def load_state_dict(sd: dict[str, Any]) -> None:
+        model.load_state_dict(sd["model"])
+        optim.load_state_dict(sd["optim"])
+
+    transport = PGTransport(pg, timeout=timeout, device=device) if cfg.transport == "pg" else None
+    return Manager(
+        pg=pg, min_replica_size=cfg.min_replicas, load_state_dict=load_state_dict, state_dict=state_dict,
+        use_async_quorum=False, replica_id=replica_id,
+        # The group's own address (torchrun's --local-addr): HTTP recovery and peers reach it there.
+        hostname=os.environ.get("MASTER_ADDR", "127.0.0.1"),
+        timeout=timeout, quorum_timeout=timedelta(seconds=cfg.quorum_timeout_s),
+        connect_timeout=timedelta(seconds=cfg.quorum_timeout_s), checkpoint_transport=transport,
+    )
+
+
+def train(cfg_file: _FTTrainerFile, run_dir: Path) -> str:
+    import torchft
+
+    cfg = cfg_file.trainer
+    use_cuda = torch.cuda.is_available()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    # The group's own process group (FSDP inside the group); its rank 0 also hosts the
+    # TCPStore that torchft's Manager joins (it connects with is_master=False).
+    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=pg_timeout())
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    replica_id = os.environ.get("REPLICA_GROUP_ID", "rg0")
+    worker = WorkerContext.from_env(run_dir)
+    events = EventLog(run_dir / "events" / f"trainer-{replica_id}-rank{rank}.jsonl", f"trainer/{replica_id}/rank{rank}")
+
+    model = build_model(cfg).to(device)
+    if world > 1:
+        model = shard_model(model, world, device.type)
+    inner = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    manager = build_manager(cfg_file.replicas, replica_id, device, model, inner)
+    if world > 1:
+        # FSDP2 reduce-scatters inside the group; the hook averages each shard across the groups.
+        model.set_all_reduce_hook(lambda grad: manager.allreduce(grad).wait())
+    optim = torchft.Optimizer(manager, inner)
+    params = list(model.parameters())
+    events.emit("trainer.start", step=0, world_size=world, replica_group=replica_id, resumed=False,
+                node=os.environ.get("ELASTIC_NODE_ID"), mode="replicas")
+    loss_fn = nn.MSELoss()
+    stream = data_rank(replica_id, rank, world)
+    while manager.current_step() < cfg.steps:
+        t0 = time.monotonic()
+        if cfg.step_sleep:
+            time.sleep(cfg.step_sleep)
+        before = manager.current_step()
+        optim.zero_grad(set_to_none=True)  # quorum; heals from a peer if this group is behind
+        t_quorum = time.monotonic() - t0
+        if manager.current_step() != before:
+            events.emit("trainer.healed", from_step=before, to_step=manager.current_step(),
+                        quorum_id=manager._quorum_id)
+        step = manager.current_step() + 1
+        x, y = batch_for(cfg, step, stream, device)
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        t_sync = time.monotonic()
+        if world == 1:
+            flat_allreduce(manager, params)
+        optim.step()  # commits (and steps the inner optimizer) only if the whole quorum votes yes
+        wait = t_quorum + time.monotonic() - t_sync
+        committed = manager.current_step() == step
+        step_time = time.monotonic() - t0
+        loss_value = float(loss.detach())
+        events.emit("trainer.step", step=step, loss=loss_value, step_time=step_time, busy_time=step_time - wait,
+                    committed=committed, participants=manager.num_participants(), quorum_id=manager._quorum_id,
+                    replica_group=replica_id)
+        worker.report_step(step, loss_value, step_time, step_time - wait)
+
+    worker.report_done(cfg.steps)
+    checksum = param_checksum(model)
+    if rank == 0:
+        (run_dir / f"final_checksum-{replica_id}.txt").write_text(checksum + "\n")
+    publish_checksum(run_dir, rank, checksum)
+    events.emit("trainer.done", step=manager.current_step(), checksum=checksum, replica_group=replica_id)
+    manager.shutdown(wait=False)
+    dist.destroy_process_group()
+    return checksum
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m trainer.ft_train")
+    parser.add_argument("--config", required=True, help="resolved run config (YAML)")
+    parser.add_argument("--run-dir", required=True, help="run directory (events, results)")
+    return parser.parse_args(argv)
+
+
+@record
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        cfg_file = load_trainer_config(args.config)
+    except (ConfigError, OSError, yaml.YAMLError) as exc:
+        print(f"trainer: config error: {exc}", file=sys.stderr)
+        return 2
+    train(cfg_file, Path(args.run_dir))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
