@@ -195,7 +195,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"trainer: config error: {exc}", file=sys.stderr)
         return 2
     train(cfg_file, Path(args.run_dir))
-    return 0
+    # Everything is written (events flush per line).  torchft 0.2.0's native teardown at
+    # interpreter exit then takes 8-13 s (measured on 2 loaded cores), so skip it.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
