@@ -26,8 +26,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from elastic.etcd_server import free_port
 from elastic.events import EventLog
@@ -86,7 +86,7 @@ class LighthouseHost:
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(lighthouse_cmd(self.config, port), env=env, stdout=log,
                                          stderr=subprocess.STDOUT, start_new_session=True,
-                                         preexec_fn=child_preexec(signal.SIGKILL))
+                                         preexec_fn=child_preexec(signal.SIGKILL))  # noqa: PLW1509 (prctl only)
         try:
             _wait_listening(self.config.lighthouse_host, port, self.proc, timeout)
         except LighthouseUnavailable:

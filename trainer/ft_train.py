@@ -115,7 +115,7 @@ def train(cfg_file: _FTTrainerFile, run_dir: Path) -> str:
 
     cfg = cfg_file.trainer
     use_cuda = torch.cuda.is_available()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if use_cuda else torch.device("cpu")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)
     # The group's own process group (FSDP inside the group); its rank 0 also hosts the
