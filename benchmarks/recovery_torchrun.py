@@ -38,12 +38,13 @@ from launch.config import dump_config, load_config  # noqa: E402
 from elastic.config import override  # noqa: E402
 
 
-def make_config(args, run_dir: Path, run_id: str) -> Path:
+def make_config(args, run_dir: Path, run_id: str, extra: dict | None = None) -> Path:
+    """The benchmark's run config; ``extra`` adds dotted overrides (e.g. replica-group mode)."""
     cfg = load_config(REPO / "examples" / "mlp-tiny.yaml")
     for key, value in {
         "run.id": run_id, "run.dir": str(run_dir), "launch.nodes": str(args.nodes),
         "trainer.steps": args.steps, "trainer.step_sleep": args.step_sleep,
-        "checkpoint.interval_steps": args.interval, "agent.term_grace_s": 2,
+        "checkpoint.interval_steps": args.interval, "agent.term_grace_s": 2, **(extra or {}),
     }.items():
         cfg = override(cfg, key, value)
     cfg.fingerprint = cfg.compute_fingerprint()
@@ -60,11 +61,13 @@ def env() -> dict[str, str]:
     return e
 
 
-def wait_step(run_dir: Path, step: int, procs: list[subprocess.Popen], timeout: float = 300) -> dict:
+def wait_step(run_dir: Path, step: int, procs: list[subprocess.Popen], timeout: float = 300,
+              source: str = "trainer/rank1") -> dict:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         for e in read_run_events(run_dir):
-            if e["kind"] == "trainer.step" and e["source"] == "trainer/rank1" and e["step"] >= step:
+            if e["kind"] == "trainer.step" and e["source"] == source and e["step"] >= step \
+                    and e.get("committed", True):
                 return e
         if all(p.poll() is not None for p in procs):
             raise RuntimeError("run ended before the kill step")
