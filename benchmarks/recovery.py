@@ -50,6 +50,9 @@ from elastic.procs import descendants, terminate_tree
 
 REPLICA_OVERRIDES = {"launch.entrypoint": ["-m", "trainer.ft_train"], "replicas.enabled": True,
                      "replicas.heartbeat_timeout_ms": 1000, "replicas.join_timeout_ms": 500}
+# The diag screen (before joining, and again after a worker_signal failure) is a policy of both
+# runtime modes, not part of the recovery mechanism; plain torchrun has none.  Off unless --preflight.
+NO_PREFLIGHT = {"agent.preflight.enabled": False}
 
 
 def _kill(run_dir: Path, args, procs: list[subprocess.Popen], source: str) -> tuple[float, dict]:
@@ -124,7 +127,9 @@ def measure(events: list[dict], kill_ts: float, victim: dict, started: float, en
     discarded = {e["step"] for e in steps if not e.get("committed", True) and e["ts"] > kill_ts}
     redone = (last_before - resumed_from) if resumed_from is not None else 0
     ref = [e for e in committed if e["source"] == reference]
-    trajectory = {e["step"] for e in ref}  # each step number once: redone executions count once
+    # Each committed step number once: a redone step counts once, and so does a step every
+    # replica group committed together (their work is one data-parallel step).
+    trajectory = {e["step"] for e in committed}
     median_step = statistics.median(e["step_time"] for e in ref) if ref else 0.0
     wall = ended - started
     progress = next((e for e in after if e["step"] > last_before), None)
@@ -156,10 +161,12 @@ def main() -> int:
     p.add_argument("--interval", type=int, default=10, help="checkpoint interval of (a) and (b)")
     p.add_argument("--kill-at", type=int, default=50)
     p.add_argument("--step-sleep", type=float, default=0.05)
+    p.add_argument("--preflight", action="store_true", help="keep the agents' diag screens on in (b) and (c)")
     p.add_argument("--keep", help="keep run directories here instead of a temporary directory")
     p.add_argument("--only", choices=["torchrun_c10d", "runtime_ckpt", "replicas"], action="append")
     args = p.parse_args()
     modes = args.only or ["torchrun_c10d", "runtime_ckpt", "replicas"]
+    screen = {} if args.preflight else NO_PREFLIGHT
     load_before = load_avg()
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="bench-recovery3-") as tmp:
@@ -169,16 +176,17 @@ def main() -> int:
             if mode == "torchrun_c10d":
                 results[mode] = run_c10d(args, work)
             elif mode == "runtime_ckpt":
-                results[mode] = run_launcher(args, work, mode, None, "trainer/rank1", "trainer/rank0")
+                results[mode] = run_launcher(args, work, mode, {**screen}, "trainer/rank1", "trainer/rank0")
             else:
-                results[mode] = run_launcher(args, work, mode, REPLICA_OVERRIDES, "trainer/node1/rank0",
-                                             "trainer/node0/rank0")
+                results[mode] = run_launcher(args, work, mode, {**REPLICA_OVERRIDES, **screen},
+                                             "trainer/node1/rank0", "trainer/node0/rank0")
     a, c = results.get("torchrun_c10d"), results.get("replicas")
     report = {
         "benchmark": "recovery_three_ways",
         "setup": {"nodes": args.nodes, "nproc_per_node": 1, "steps": args.steps, "ckpt_interval": args.interval,
                   "kill_at_step": args.kill_at, "step_sleep_s": args.step_sleep, "backend": "gloo/cpu",
-                  "cpus": os.cpu_count(), "torchft": _torchft_version()},
+                  "cpus": os.cpu_count(), "torchft": _torchft_version(),
+                  "preflight_screens": args.preflight},
         "load_avg_1m": {"before": load_before, "after": load_avg()},
         **results,
     }

@@ -546,6 +546,10 @@ class NodeAgent:
         self.monitor = HeartbeatMonitor(self.config.heartbeat)
         env = self._torchrun_env(epoch)
         if self.replicas is not None:
+            if self._get_json("done") is not None:
+                # Another group finished the run: a group (re)starting now would train alone from scratch.
+                self.events.emit("replicas.run_done_by_peers", attempt=self.attempt)
+                return Attempt("succeeded", 0)
             try:
                 env.update(self.replicas.worker_env(self.replicas.lighthouse_address(self._stop.is_set)))
             except LighthouseUnavailable as exc:

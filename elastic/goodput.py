@@ -15,7 +15,8 @@ took.  The rest of the wall time is broken down as
   other        the remainder (step-loop overhead, shutdown)
 
 Rank 0's trainer events are the reference timeline: every rank of a
-synchronous job advances together.
+synchronous job advances together.  In replica-group mode it is rank 0 of
+the group with the most committed steps (one that never restarted).
 """
 
 from __future__ import annotations
@@ -26,8 +27,9 @@ from typing import Any
 def compute_goodput(events: list[dict[str, Any]]) -> dict[str, Any]:
     events = sorted(events, key=lambda e: e["ts"])
     launcher = [e for e in events if e.get("source") == "launcher"]
-    rank0 = [e for e in events if e.get("source") == "trainer/rank0"]
-    steps = [e for e in rank0 if e["kind"] == "trainer.step"]
+    rank0 = [e for e in events if e.get("source") == _reference_source(events)]
+    # Replica-group mode reports thrown-away step attempts too (committed=False): not productive.
+    steps = [e for e in rank0 if e["kind"] == "trainer.step" and e.get("committed", True)]
     if not events:
         return {"goodput": None}
     t_start = launcher[0]["ts"] if launcher else events[0]["ts"]
@@ -74,6 +76,19 @@ def compute_goodput(events: list[dict[str, Any]]) -> dict[str, Any]:
     out["steps_redone"] = len(steps) - len(kept)
     out["restarts"] = max(len(starts) - 1, 0)
     return out
+
+
+def _reference_source(events: list[dict[str, Any]]) -> str:
+    """``trainer/rank0``; in replica-group mode (``trainer/<group>/rank0``) the group that committed most."""
+    counts: dict[str, int] = {}
+    for e in events:
+        source = e.get("source", "")
+        if e["kind"] == "trainer.step" and e.get("committed", True) and source.startswith("trainer/") \
+                and source.endswith("/rank0"):
+            counts[source] = counts.get(source, 0) + 1
+    if "trainer/rank0" in counts or not counts:
+        return "trainer/rank0"
+    return max(counts, key=lambda source: counts[source])
 
 
 def format_goodput(g: dict[str, Any]) -> str:
