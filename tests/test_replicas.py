@@ -91,6 +91,10 @@ def test_agent_in_replica_mode_never_bumps_the_epoch(etcd_endpoint, tmp_path):
     assert "--nnodes=1" in cmd and "--nproc-per-node=2" in cmd and "--rdzv-id=r-rg-node1-a2" in cmd
     plain = NodeAgent(spec, AgentConfig(), RendezvousConfig())
     assert plain.bump_epoch(0) == 1 and "--nnodes=2" in plain._torchrun_cmd(1)
+    # A group restarting after its peers finished the run must not train alone from step 0.
+    agent.store.put(agent._key("done"), json.dumps({"by": "node0"}))
+    result = agent._run_once(0)
+    assert result.outcome == "succeeded" and agent._proc is None
 
 
 def _steps(events: list[dict], source: str) -> list[dict]:
