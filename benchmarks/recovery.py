@@ -133,7 +133,8 @@ def measure(events: list[dict], kill_ts: float, victim: dict, started: float, en
     median_step = statistics.median(e["step_time"] for e in ref) if ref else 0.0
     wall = ended - started
     progress = next((e for e in after if e["step"] > last_before), None)
-    healed = [e for e in events if e["kind"] == "trainer.healed" and e["ts"] > kill_ts]
+    # (A survivor may heal too: torchft commits per group, so one group can be a step ahead.)
+    healed = [e for e in events if e["kind"] == "trainer.healed" and e["pid"] in new_pids]
     return {
         "recovery_s": round(after[0]["ts"] - kill_ts, 3) if after else None,
         "progress_s": round(progress["ts"] - kill_ts, 3) if progress else None,
