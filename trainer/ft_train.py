@@ -134,7 +134,12 @@ def train(cfg_file: _FTTrainerFile, run_dir: Path) -> str:
     manager = build_manager(cfg_file.replicas, replica_id, device, model, inner)
     if world > 1:
         # FSDP2 reduce-scatters inside the group; the hook averages each shard across the groups.
-        model.set_all_reduce_hook(lambda grad: manager.allreduce(grad).wait())
+        # The hook is per FSDP module (each sharded Linear holds its own parameters), not inherited.
+        from torch.distributed.fsdp import FSDPModule
+
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_all_reduce_hook(lambda grad: manager.allreduce(grad).wait())
     optim = torchft.Optimizer(manager, inner)
     params = list(model.parameters())
     events.emit("trainer.start", step=0, world_size=world, replica_group=replica_id, resumed=False,
