@@ -36,6 +36,8 @@ from elastic.replica_config import ReplicaConfig
 from elastic.store import EtcdStore, StoreError
 
 LIGHTHOUSE_KEY = "torchft/lighthouse"
+FINISHED_KEY = "torchft/finished"
+"""Set (under the run prefix) by the first replica group that trained the last step."""
 _TERMINAL = frozenset({"SUCCEEDED", "GAVE_UP", "EXCLUDED", "STOPPED"})
 # The Lighthouse lives in torchft's extension module; this launcher loads it without
 # importing torch (see elastic/lighthouse_main.py for why).

@@ -97,6 +97,19 @@ def test_agent_in_replica_mode_never_bumps_the_epoch(etcd_endpoint, tmp_path):
     assert result.outcome == "succeeded" and agent._proc is None
 
 
+def test_late_group_stops_when_the_run_is_finished(etcd_endpoint, monkeypatch):
+    from trainer.ft_train import RunFinished
+
+    monkeypatch.setenv("ELASTIC_ETCD_ENDPOINT", etcd_endpoint)
+    monkeypatch.setenv("ELASTIC_RUN_PREFIX", "/t/runs/r")
+    mark = RunFinished(every=10)
+    assert not mark.seen(20, participants=1, rank=0, world=1)
+    mark.publish(300, "node0")
+    assert mark.seen(20, participants=1, rank=0, world=1)
+    assert not mark.seen(21, participants=1, rank=0, world=1)  # only every 10th step
+    assert not mark.seen(20, participants=2, rank=0, world=1)  # it has peers: it is not late
+
+
 def _steps(events: list[dict], source: str) -> list[dict]:
     return [e for e in events if e["kind"] == "trainer.step" and e["source"] == source]
 

@@ -26,6 +26,7 @@ and ``quorum_id``; only committed steps count.  At the end each group prints
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -44,7 +45,9 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from elastic.config import ConfigError, from_dict
 from elastic.events import EventLog
 from elastic.replica_config import ReplicaConfig
-from elastic.worker import WorkerContext, pg_timeout
+from elastic.replicas import FINISHED_KEY
+from elastic.store import EtcdStore, StoreError
+from elastic.worker import ETCD_ENDPOINT_ENV, RUN_PREFIX_ENV, WorkerContext, pg_timeout
 from trainer.checksum import param_checksum, publish_checksum
 from trainer.minimal_config import MLPTrainerConfig
 from trainer.train import batch_for, build_model, shard_model
@@ -84,6 +87,45 @@ def flat_allreduce(manager: Any, params: list[nn.Parameter]) -> None:
         offset += g.numel()
 
 
+class RunFinished:
+    """The run's "training finished" mark in etcd, set by the first group to reach the last step.
+
+    A group that restarts so late that its peers are already done finds no one to heal from
+    and would train the whole run again alone (measured: a 61 s restart on a loaded host).
+    While it trains alone it looks for the mark every ``every`` steps, and stops if it is set.
+    """
+
+    def __init__(self, every: int = 10) -> None:
+        endpoint, prefix = os.environ.get(ETCD_ENDPOINT_ENV), os.environ.get(RUN_PREFIX_ENV)
+        self.store = EtcdStore(endpoint, request_timeout=2.0, retry_deadline=2.0) if endpoint and prefix else None
+        self.key = f"{prefix}/{FINISHED_KEY}"
+        self.every = every
+
+    def seen(self, step: int, participants: int, rank: int, world: int) -> bool:
+        """Collective within the group when world > 1 (every rank sees the same step and quorum)."""
+        if self.store is None or participants > 1 or step % self.every:
+            return False
+        flag = 0.0
+        if rank == 0:
+            try:
+                flag = 1.0 if self.store.get(self.key) is not None else 0.0
+            except StoreError:
+                flag = 0.0  # etcd unreachable: keep training
+        if world > 1:
+            tensor = torch.tensor([flag])
+            dist.broadcast(tensor, src=0)
+            flag = float(tensor.item())
+        return flag > 0
+
+    def publish(self, step: int, replica_id: str) -> None:
+        if self.store is None:
+            return
+        try:
+            self.store.put(self.key, json.dumps({"step": step, "group": replica_id, "ts": time.time()}))
+        except StoreError:
+            pass
+
+
 def build_manager(cfg: ReplicaConfig, replica_id: str, device: torch.device, model: nn.Module,
                   optim: torch.optim.Optimizer) -> Any:
     from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
@@ -110,7 +152,7 @@ def build_manager(cfg: ReplicaConfig, replica_id: str, device: torch.device, mod
     )
 
 
-def train(cfg_file: _FTTrainerFile, run_dir: Path) -> str:
+def train(cfg_file: _FTTrainerFile, run_dir: Path) -> str | None:
     import torchft
 
     cfg = cfg_file.trainer
@@ -146,6 +188,7 @@ def train(cfg_file: _FTTrainerFile, run_dir: Path) -> str:
                 node=os.environ.get("ELASTIC_NODE_ID"), mode="replicas")
     loss_fn = nn.MSELoss()
     stream = data_rank(replica_id, rank, world)
+    finished = RunFinished()
     while manager.current_step() < cfg.steps:
         t0 = time.monotonic()
         if cfg.step_sleep:
@@ -157,6 +200,12 @@ def train(cfg_file: _FTTrainerFile, run_dir: Path) -> str:
             events.emit("trainer.healed", from_step=before, to_step=manager.current_step(),
                         quorum_id=manager._quorum_id)
         step = manager.current_step() + 1
+        if finished.seen(step, manager.num_participants(), rank, world):
+            events.emit("trainer.run_finished_by_peers", step=step, replica_group=replica_id)
+            worker.report_done(step)
+            manager.shutdown(wait=False)
+            dist.destroy_process_group()
+            return None  # these weights are not the run's: no checksum
         x, y = batch_for(cfg, step, stream, device)
         loss = loss_fn(model(x), y)
         loss.backward()
@@ -176,6 +225,7 @@ def train(cfg_file: _FTTrainerFile, run_dir: Path) -> str:
     worker.report_done(cfg.steps)
     checksum = param_checksum(model)
     if rank == 0:
+        finished.publish(manager.current_step(), replica_id)
         (run_dir / f"final_checksum-{replica_id}.txt").write_text(checksum + "\n")
     publish_checksum(run_dir, rank, checksum)
     events.emit("trainer.done", step=manager.current_step(), checksum=checksum, replica_group=replica_id)
