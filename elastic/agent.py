@@ -237,6 +237,10 @@ class NodeAgent:
     def request_stop(self, signum: int) -> None:
         self._stop_signal = signum
         self._stop.set()
+        # Cleanup (lease revoke, leader resign) is best effort once we are told to stop: with the
+        # launcher gone etcd is usually gone too, and retrying for the full deadline per call
+        # would keep this agent (an orphan by then) alive for most of a minute.
+        self.store.stop_retrying()
 
     def install_signal_handlers(self) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):

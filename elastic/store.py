@@ -165,6 +165,7 @@ class EtcdStore:
         self.request_timeout = request_timeout
         self.retry_deadline = retry_deadline
         self._local = threading.local()
+        self._shutting_down = threading.Event()
 
     # -- plumbing ---------------------------------------------------------
     def _client(self) -> Etcd3Client:
@@ -182,7 +183,9 @@ class EtcdStore:
         retrying = tenacity.Retrying(
             retry=tenacity.retry_if_exception_type(_CONNECTION_ERRORS),
             wait=tenacity.wait_random_exponential(multiplier=0.05, max=1.0),
-            stop=tenacity.stop_after_delay(deadline),
+            # A process that is shutting down must not spend the retry deadline on a dead
+            # server (its parent may be gone and etcd with it): one try, then give up.
+            stop=tenacity.stop_after_delay(deadline) | tenacity.stop_when_event_set(self._shutting_down),
             reraise=True,
         )
         try:
@@ -193,6 +196,10 @@ class EtcdStore:
             if "lease not found" in str(exc) or "requested lease not found" in str(exc):
                 raise LeaseExpired(f"{what}: {exc}") from exc
             raise StoreError(f"etcd error during {what}: {exc}") from exc
+
+    def stop_retrying(self) -> None:
+        """From now on every operation is tried once: used when the caller is shutting down."""
+        self._shutting_down.set()
 
     def _post(self, path: str, body: dict[str, Any], what: str, deadline: float | None = None) -> dict[str, Any]:
         return self._call(what, lambda c: c.post(c.get_url(path), json=body), deadline)
