@@ -54,6 +54,8 @@ class RunSection:
     """Run id: names the run's keys in etcd and the rendezvous."""
     dir: str = ""
     """Run directory (events, checkpoints, logs, summary); default runs/<id>."""
+    loss_plot: bool = True
+    """Draw <dir>/loss.png (rank 0 loss, restarts and faults marked) when the run ends."""
 
     def __post_init__(self) -> None:
         if not _RUN_ID_RE.match(self.id):
@@ -69,6 +71,9 @@ class LaunchConfig:
     """host:port of the run's etcd; empty -> local mode with an embedded etcd."""
     node_id: str | None = None
     """This node's id in cluster mode (default: the hostname)."""
+    local_addr: str | None = None
+    """Address other nodes reach this node's workers at (torchrun --local-addr); default
+    127.0.0.1 in local mode, the host's FQDN in cluster mode."""
     entrypoint: list[str] = field(default_factory=lambda: ["-m", "trainer.train"])
     """What torchrun runs; the agent appends --config and --run-dir."""
     respawn_excluded: bool = False
