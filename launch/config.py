@@ -29,6 +29,7 @@ from elastic.checkpoint_config import CheckpointConfig
 from elastic.config import ConfigError, from_dict, to_dict
 from trainer.dit_config import DiTTrainerConfig
 from trainer.minimal_config import MLPTrainerConfig
+from trainer.tensorboard import TensorBoardConfig
 
 DIT_ENTRYPOINT = ["-m", "trainer.dit_train"]
 
@@ -107,6 +108,8 @@ class RunConfig:
     rendezvous: RendezvousConfig = field(default_factory=RendezvousConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     trainer: MLPTrainerConfig = field(default_factory=MLPTrainerConfig)
+    tensorboard: TensorBoardConfig = field(default_factory=TensorBoardConfig)
+    """Trainer scalars for TensorBoard (rank 0); outside ``trainer`` so it is not in the fingerprint."""
     fingerprint: str = ""
     """Set by the launcher: hash of what defines the training state (checkpoints from other configs are foreign)."""
 
