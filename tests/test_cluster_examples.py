@@ -86,3 +86,23 @@ def test_64_node_config_loads():
     for nodes in (63, 64):
         assert cfg.trainer.check_world(nodes * 8) == (nodes, 8)
     assert cfg.tensorboard.enabled and cfg.agent.metrics.port == 9400
+
+
+def test_cluster_mode_launcher_per_host(tmp_path):
+    """One launcher per host: its own events file, its host's address for torchrun, no archiving."""
+    import socket
+
+    from elastic.config import override
+    from launch.local import Launcher
+
+    local = Launcher(load_config(None), tmp_path)
+    assert local.local_addr() == "127.0.0.1" and local.events.path.name == "launcher.jsonl"
+    cfg = override(override(load_config(None), "launch.etcd_endpoint", "127.0.0.1:1"), "launch.node_id", "h7")
+    cluster = Launcher(cfg, tmp_path)
+    assert cluster.node_ids() == ["h7"] and cluster.local_addr() == socket.getfqdn()
+    assert cluster.events.path.name == "launcher-h7.jsonl"
+    (tmp_path / "events" / "agent-h3.jsonl").write_text("{}\n")  # another host's live log
+    cluster._archive_previous()
+    assert (tmp_path / "events" / "agent-h3.jsonl").exists() and not (tmp_path / "history").exists()
+    explicit = Launcher(override(cfg, "launch.local_addr", "10.0.0.7"), tmp_path)
+    assert explicit.local_addr() == "10.0.0.7"
