@@ -143,6 +143,7 @@ class LiveStatus:
         self.prefix = prefix
         self.interval_s = interval_s
         self._next = 0.0
+        self._last: dict[str, Any] | None = None
         self._live = Live(console=console or Console(), auto_refresh=False, transient=False)
         self._live.start()
 
@@ -158,7 +159,11 @@ class LiveStatus:
 
             self._live.update(Text(f"status unavailable: {exc}"), refresh=True)
             return
-        self._live.update(render_table(status), refresh=True)
+        if status["nodes"] or self._last is None:
+            self._last = status
+        else:  # leased node records vanish as agents exit: keep the last table that had them
+            self._last = {**self._last, "done": status["done"], "stop": status["stop"], "checkpoint": status["checkpoint"]}
+        self._live.update(render_table(self._last), refresh=True)
 
     def close(self) -> None:
         self._live.stop()
