@@ -4,7 +4,7 @@ Written by the launcher at the end of every run as ``<run_dir>/loss.png``
 next to ``summary.json`` and the events.  The loss is what the trainer
 reported (``trainer.step`` events of rank 0); each worker process is its
 own line, so a restart shows as a new line starting at its resume point.
-Marked on the time axis: restarts (agent ``agent.restart``, green dashed),
+Marked on the time axis: restarts (``agent.restart``: green dashed, grey dotted when caused by a peer),
 injected faults (``chaos.inject``, red) and detections (a failed attempt, a
 hang, a rollback, a failed checkpoint save: orange triangles).
 
@@ -51,10 +51,14 @@ def mark_faults(ax, events: list[dict[str, Any]], start: float) -> None:
 
 
 def mark_restarts(ax, events: list[dict[str, Any]], start: float) -> None:
-    restarts = [e for e in events if e.get("kind") == "agent.restart"]
-    for i, e in enumerate(restarts):
-        ax.axvline(e["ts"] - start, color="green", lw=1, ls="--",
-                   label=f"restart ({e.get('reason')})" if i == 0 else None)
+    """A node's own failure restarts green dashed; restarts caused by a peer grey dotted."""
+    labelled: set[str] = set()
+    for e in (e for e in events if e.get("kind") == "agent.restart"):
+        reason = str(e.get("reason"))
+        own = bool(e.get("counted")) or reason != "peer"
+        ax.axvline(e["ts"] - start, color="green" if own else "grey", lw=1, ls="--" if own else ":",
+                   label=None if reason in labelled else f"restart ({reason})")
+        labelled.add(reason)
 
 
 def plot_loss(run_dir: str | Path, path: str | Path | None = None, title: str = "") -> Path | None:
