@@ -564,6 +564,7 @@ class NodeAgent:
                                  runtime_s=time.monotonic() - started)
                 # Workers in their own sessions may outlive torchrun: reap them.
                 terminate_tree(None, self._known_pids, self.config.term_grace_s)
+                self.metrics.tick()  # the attempt's last checkpoint events (the final commit)
                 self._proc = None
                 if rc == 0:
                     return Attempt("succeeded", rc)
