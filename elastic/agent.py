@@ -53,6 +53,7 @@ from elastic.config import ConfigError
 from elastic.events import EventLog
 from elastic.heartbeat import HeartbeatMonitor, Silence
 from elastic.leader import ClusterPolicy, LeaderLoop
+from elastic.metrics import AgentMetrics, MeteredEventLog
 from elastic.naming import BACKEND_NAME, run_prefix
 from elastic.procs import child_preexec, descendants, set_parent_death_signal, terminate_tree
 from elastic.store import EtcdStore, LeaseKeeper, StoreError
@@ -89,6 +90,7 @@ class NodeSpec:
     nnodes: str  # "N" or "MIN:MAX"
     nproc_per_node: int
     entrypoint: list[str]  # e.g. ["-m", "trainer.train", "--config", ..., "--run-dir", ...]
+    local_addr: str = "127.0.0.1"  # torchrun --local-addr: where peers reach this node's workers
 
 
 @dataclass
@@ -149,7 +151,9 @@ class NodeAgent:
         self.store = EtcdStore(spec.endpoint)
         self.prefix = run_prefix(rdzv.key_prefix, spec.run_id)
         self.exclusions = Exclusions(self.store, self.prefix)
-        self.events = EventLog(spec.run_dir / "events" / f"agent-{spec.node_id}.jsonl", f"agent/{spec.node_id}")
+        self.metrics = AgentMetrics(spec.node_id, spec.run_dir)
+        self.events: EventLog = MeteredEventLog(spec.run_dir / "events" / f"agent-{spec.node_id}.jsonl",
+                                                f"agent/{spec.node_id}", self.metrics)
         self.state = AgentState.INIT
         self.failures = 0
         self.attempt = 0
@@ -165,6 +169,7 @@ class NodeAgent:
         self._sock.bind(("127.0.0.1", 0))
         self._sock.setblocking(False)
         self.monitor = HeartbeatMonitor(config.heartbeat)
+        self.metrics.watch_silence(lambda: self.monitor.silent_for() if self.state == AgentState.RUNNING else 0.0)
 
     # -- keys -------------------------------------------------------------------
     @property
@@ -187,7 +192,8 @@ class NodeAgent:
 
     def _publish_node(self) -> None:
         record = {"node": self.spec.node_id, "host": socket.gethostname(), "pid": os.getpid(),
-                  "state": self.state.value, "failures": self.failures, "ts": time.time()}
+                  "state": self.state.value, "failures": self.failures, "ts": time.time(),
+                  "metrics": self.metrics.address}
         self._put_quietly(self.node_key, record, "publish_node", lease=True)
 
     def _publish_heartbeat(self, epoch: int) -> None:
@@ -250,9 +256,11 @@ class NodeAgent:
     def run(self) -> int:
         self.events.emit("agent.start", run_id=self.spec.run_id, endpoint=self.spec.endpoint,
                          nnodes=self.spec.nnodes, max_restarts=self.config.max_restarts)
+        self._serve_metrics()
         try:
             return self._run()
         finally:
+            self.metrics.close()
             self._stop_workers("agent exit")
             if self._leader is not None:
                 self._leader.close()
@@ -260,6 +268,16 @@ class NodeAgent:
                 self._lease.close(revoke=True)
             self.events.emit("agent.exit", state=self.state.value, failures=self.failures)
             self.events.close()
+
+    def _serve_metrics(self) -> None:
+        try:
+            address = self.metrics.serve(self.config.metrics)
+        except OSError as exc:  # e.g. a fixed port already taken: run without the endpoint
+            self.events.emit("agent.metrics_failed", error=str(exc), port=self.config.metrics.port)
+            print(f"elastic-agent: node {self.spec.node_id}: metrics endpoint not started: {exc}", file=sys.stderr)
+            return
+        if address is not None:
+            self.events.emit("agent.metrics_started", address=address)
 
     def _run(self) -> int:
         excluded = self.exclusions.get(self.spec.node_id)
@@ -505,7 +523,7 @@ class NodeAgent:
             f"--rdzv-conf={self.rdzv.torchrun_conf()}",
             "--max-restarts=0",
             "--monitor-interval=0.1",
-            "--local-addr=127.0.0.1",
+            f"--local-addr={self.spec.local_addr}",
             f"--log-dir={self.attempt_dir(epoch)}",
             *self.spec.entrypoint,
         ]
@@ -550,6 +568,7 @@ class NodeAgent:
                                  runtime_s=time.monotonic() - started)
                 # Workers in their own sessions may outlive torchrun: reap them.
                 terminate_tree(None, self._known_pids, self.config.term_grace_s)
+                self.metrics.tick()  # the attempt's last checkpoint events (the final commit)
                 self._proc = None
                 if rc == 0:
                     return Attempt("succeeded", rc)
@@ -559,6 +578,7 @@ class NodeAgent:
                 return Attempt("stopped")
             self._known_pids.update(descendants(self._proc.pid))
             for report in self._drain_reports():
+                self.metrics.observe_report(report)
                 numerics_step = self._on_report(report, epoch, started, numerics_step)
             now = time.monotonic()
             if now >= next_poll:
@@ -569,6 +589,7 @@ class NodeAgent:
             if now >= next_beat:
                 next_beat = now + self.config.heartbeat.publish_interval_s
                 self._publish_heartbeat(epoch)
+                self.metrics.tick()
             verdict, detail = self.monitor.check()
             if verdict != Silence.NONE and numerics_step is None:
                 kind = {Silence.CULPRIT: FailureKind.HANG, Silence.VICTIM: FailureKind.STALL,
@@ -675,6 +696,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--etcd-endpoint", required=True)
     p.add_argument("--run-dir", required=True)
     p.add_argument("--config", required=True, help="resolved run config (YAML)")
+    p.add_argument("--local-addr", default="127.0.0.1", help="where peers reach this node (torchrun --local-addr)")
     return p.parse_args(argv)
 
 
@@ -694,6 +716,7 @@ def main(argv: list[str] | None = None) -> int:
         run_id=args.run_id, node_id=args.node_id, endpoint=args.etcd_endpoint, run_dir=run_dir,
         nnodes=cfg.launch.nodes, nproc_per_node=cfg.launch.nproc_per_node,
         entrypoint=[*cfg.launch.entrypoint, "--config", args.config, "--run-dir", str(run_dir)],
+        local_addr=args.local_addr,
     )
     agent = NodeAgent(spec, cfg.agent, cfg.rendezvous)
     agent.install_signal_handlers()

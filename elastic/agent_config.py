@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from elastic.config import ConfigError
+from elastic.metrics import MetricsConfig
 from elastic.naming import DEFAULT_KEY_PREFIX
 
 
@@ -155,6 +156,7 @@ class AgentConfig:
     failure: FailurePolicy = field(default_factory=FailurePolicy)
     leader: LeaderConfig = field(default_factory=LeaderConfig)
     preflight: PreflightConfig = field(default_factory=PreflightConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
     def __post_init__(self) -> None:
         if self.max_restarts < 0:

@@ -26,6 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nproc-per-node", type=int, help="workers per node (launch.nproc_per_node)")
     p.add_argument("--etcd-endpoint", help="host:port of etcd; omit for local mode (launch.etcd_endpoint)")
     p.add_argument("--node-id", help="this node's id in cluster mode (launch.node_id)")
+    p.add_argument("--local-addr", help="address peers reach this node at, cluster mode (launch.local_addr)")
     p.add_argument("--run-id", help="run id (run.id)")
     p.add_argument("--run-dir", help="run directory (run.dir)")
     p.add_argument("--max-restarts", type=int, help="per-node restart budget (agent.max_restarts)")
@@ -40,6 +41,7 @@ _FLAG_FIELDS = {
     "nproc_per_node": "launch.nproc_per_node",
     "etcd_endpoint": "launch.etcd_endpoint",
     "node_id": "launch.node_id",
+    "local_addr": "launch.local_addr",
     "run_id": "run.id",
     "run_dir": "run.dir",
     "max_restarts": "agent.max_restarts",
@@ -84,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from launch.local import Launcher, format_summary
 
-    launcher = Launcher(cfg, Path(cfg.run_dir()).resolve())
+    launcher = Launcher(cfg, Path(cfg.run_dir()).resolve(), live=sys.stdout.isatty())
     result = launcher.run()
     print(format_summary(result.summary), flush=True)
     return result.exit_code

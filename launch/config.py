@@ -29,6 +29,7 @@ from elastic.checkpoint_config import CheckpointConfig
 from elastic.config import ConfigError, from_dict, to_dict
 from trainer.dit_config import DiTTrainerConfig
 from trainer.minimal_config import MLPTrainerConfig
+from trainer.tensorboard import TensorBoardConfig
 
 DIT_ENTRYPOINT = ["-m", "trainer.dit_train"]
 
@@ -54,6 +55,8 @@ class RunSection:
     """Run id: names the run's keys in etcd and the rendezvous."""
     dir: str = ""
     """Run directory (events, checkpoints, logs, summary); default runs/<id>."""
+    loss_plot: bool = True
+    """Draw <dir>/loss.png (rank 0 loss, restarts and faults marked) when the run ends."""
 
     def __post_init__(self) -> None:
         if not _RUN_ID_RE.match(self.id):
@@ -69,6 +72,9 @@ class LaunchConfig:
     """host:port of the run's etcd; empty -> local mode with an embedded etcd."""
     node_id: str | None = None
     """This node's id in cluster mode (default: the hostname)."""
+    local_addr: str | None = None
+    """Address other nodes reach this node's workers at (torchrun --local-addr); default
+    127.0.0.1 in local mode, the host's FQDN in cluster mode."""
     entrypoint: list[str] = field(default_factory=lambda: ["-m", "trainer.train"])
     """What torchrun runs; the agent appends --config and --run-dir."""
     respawn_excluded: bool = False
@@ -102,6 +108,8 @@ class RunConfig:
     rendezvous: RendezvousConfig = field(default_factory=RendezvousConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     trainer: MLPTrainerConfig = field(default_factory=MLPTrainerConfig)
+    tensorboard: TensorBoardConfig = field(default_factory=TensorBoardConfig)
+    """Trainer scalars for TensorBoard (rank 0); outside ``trainer`` so it is not in the fingerprint."""
     fingerprint: str = ""
     """Set by the launcher: hash of what defines the training state (checkpoints from other configs are foreign)."""
 
