@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 
+from elastic.admission import Admission, Refused, join_fingerprint
 from elastic.agent_config import AgentConfig, RendezvousConfig
 from elastic.checkpoint_publish import read_latest
 from elastic.classify import UNCOUNTED, FailureKind, classify
@@ -56,7 +57,7 @@ from elastic.leader import ClusterPolicy, LeaderLoop
 from elastic.metrics import AgentMetrics, MeteredEventLog
 from elastic.naming import BACKEND_NAME, run_prefix
 from elastic.procs import child_preexec, descendants, set_parent_death_signal, terminate_tree
-from elastic.store import EtcdStore, LeaseKeeper, StoreError
+from elastic.store import EtcdStore, LeaseKeeper, StoreAuthError, StoreError, StoreTLSError
 from elastic.worker import SKIP_STEPS_ENV
 
 EXIT_SUCCESS = 0
@@ -144,8 +145,10 @@ class Exclusions:
 
 
 class NodeAgent:
-    def __init__(self, spec: NodeSpec, config: AgentConfig, rdzv: RendezvousConfig) -> None:
+    def __init__(self, spec: NodeSpec, config: AgentConfig, rdzv: RendezvousConfig,
+                 admission: Admission | None = None) -> None:
         self.spec = spec
+        self.admission = admission
         self.config = config
         self.rdzv = rdzv
         self.store = EtcdStore(spec.endpoint)
@@ -280,6 +283,13 @@ class NodeAgent:
             self.events.emit("agent.metrics_started", address=address)
 
     def _run(self) -> int:
+        if self.admission is not None:
+            try:
+                self.admission.check(self.store, self.prefix, self.events)
+            except Refused as exc:
+                self.events.emit("agent.refused", reason=str(exc), rc=exc.code)
+                print(f"elastic-agent: node {self.spec.node_id} refused: {exc}", file=sys.stderr)
+                return exc.code
         excluded = self.exclusions.get(self.spec.node_id)
         screened = False
         if excluded is not None:
@@ -520,7 +530,7 @@ class NodeAgent:
             f"--rdzv-backend={BACKEND_NAME}",
             f"--rdzv-endpoint={self.spec.endpoint}",
             f"--rdzv-id={self.spec.run_id}-e{epoch}",
-            f"--rdzv-conf={self.rdzv.torchrun_conf()}",
+            f"--rdzv-conf={','.join([self.rdzv.torchrun_conf(), *self.store.security.rdzv_conf()])}",
             "--max-restarts=0",
             "--monitor-interval=0.1",
             f"--local-addr={self.spec.local_addr}",
@@ -708,6 +718,10 @@ def main(argv: list[str] | None = None) -> int:
     set_parent_death_signal(signal.SIGTERM)
     try:
         cfg = load_config(args.config)
+        # Children (torchrun, workers, diag) inherit the etcd credentials through the environment.
+        if cfg.etcd.enabled:
+            os.environ.update(cfg.etcd.resolve().env())
+        token = cfg.security.token()
     except ConfigError as exc:
         print(f"elastic-agent: config error: {exc}", file=sys.stderr)
         return EXIT_CONFIG
@@ -718,9 +732,17 @@ def main(argv: list[str] | None = None) -> int:
         entrypoint=[*cfg.launch.entrypoint, "--config", args.config, "--run-dir", str(run_dir)],
         local_addr=args.local_addr,
     )
-    agent = NodeAgent(spec, cfg.agent, cfg.rendezvous)
+    from elastic.config import to_dict
+
+    admission = Admission(run_id=args.run_id, node_id=args.node_id, token=token,
+                          fingerprint=join_fingerprint(to_dict(cfg)), join_check=cfg.security.join_check)
+    agent = NodeAgent(spec, cfg.agent, cfg.rendezvous, admission)
     agent.install_signal_handlers()
-    return agent.run()
+    try:
+        return agent.run()
+    except (StoreAuthError, StoreTLSError) as exc:
+        print(f"elastic-agent: node {args.node_id}: etcd error: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
 
 
 if __name__ == "__main__":

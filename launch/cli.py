@@ -15,12 +15,15 @@ from pathlib import Path
 
 import yaml
 
+from elastic.cli_errors import OneLineArgumentParser
 from elastic.config import ConfigError, override
+from elastic.store import StoreError
 from launch.config import RunConfig, load_config
+from launch.security import add_security_flags, apply_security_flags, prepare_etcd_access
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="elastic-launch", description=__doc__.split("\n\n")[0])
+    p = OneLineArgumentParser(prog="elastic-launch", description=__doc__.split("\n\n")[0])
     p.add_argument("config", nargs="?", help="run config YAML (defaults apply without one)")
     p.add_argument("--nodes", help='number of nodes, "N" or "MIN:MAX" (launch.nodes)')
     p.add_argument("--nproc-per-node", type=int, help="workers per node (launch.nproc_per_node)")
@@ -33,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, help="training steps (trainer.steps)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override any config field, e.g. --set checkpoint.interval_steps=5")
+    add_security_flags(p)
     return p
 
 
@@ -58,6 +62,7 @@ def resolve_config(args: argparse.Namespace) -> RunConfig:
                 cfg = override(cfg, dotted, value)
             except ConfigError as exc:
                 raise ConfigError(f"--{attr.replace('_', '-')}", exc.message) from None
+    cfg = apply_security_flags(cfg, args)
     for item in args.set:
         key, sep, raw = item.partition("=")
         if not sep or not key:
@@ -81,8 +86,12 @@ def main(argv: list[str] | None = None) -> int:
                 parse_endpoint(cfg.launch.etcd_endpoint)
             except ValueError as exc:
                 raise ConfigError("launch.etcd_endpoint", str(exc)) from None
+        prepare_etcd_access(cfg)
     except ConfigError as exc:
         print(f"elastic-launch: config error: {exc}", file=sys.stderr)
+        return 2
+    except StoreError as exc:  # credentials refused (auth / TLS): retrying cannot help
+        print(f"elastic-launch: etcd error: {exc}", file=sys.stderr)
         return 2
     from launch.local import Launcher, format_summary
 

@@ -10,13 +10,13 @@ dotted field path.
     agent:      elastic.agent.AgentConfig
     rendezvous: elastic.agent.RendezvousConfig
     checkpoint: elastic.checkpoint.CheckpointConfig
+    etcd:       elastic.etcd_security.EtcdClientConfig (TLS client cert, user; password by reference)
+    security:   elastic.admission.SecurityConfig (run token by reference, join check)
     trainer:    the trainer's own section (trainer.train.MLPTrainerConfig)
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import re
 from dataclasses import dataclass, field
@@ -24,9 +24,12 @@ from pathlib import Path
 
 import yaml
 
+from elastic.admission import SecurityConfig
 from elastic.agent_config import AgentConfig, RendezvousConfig
 from elastic.checkpoint_config import CheckpointConfig
 from elastic.config import ConfigError, from_dict, to_dict
+from elastic.etcd_security import EtcdClientConfig
+from elastic.fingerprint import config_hash
 from trainer.dit_config import DiTTrainerConfig
 from trainer.minimal_config import MLPTrainerConfig
 from trainer.tensorboard import TensorBoardConfig
@@ -107,6 +110,8 @@ class RunConfig:
     agent: AgentConfig = field(default_factory=AgentConfig)
     rendezvous: RendezvousConfig = field(default_factory=RendezvousConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    etcd: EtcdClientConfig = field(default_factory=EtcdClientConfig)
+    security: SecurityConfig = field(default_factory=SecurityConfig)
     trainer: MLPTrainerConfig = field(default_factory=MLPTrainerConfig)
     tensorboard: TensorBoardConfig = field(default_factory=TensorBoardConfig)
     """Trainer scalars for TensorBoard (rank 0); outside ``trainer`` so it is not in the fingerprint."""
@@ -119,8 +124,7 @@ class RunConfig:
     def compute_fingerprint(self) -> str:
         # Only what changes the meaning of saved state: the trainer section and world layout.
         # Restart budgets, timeouts and paths may change between restarts of the same run.
-        basis = {"trainer": to_dict(self.trainer), "nproc_per_node": self.launch.nproc_per_node}
-        return hashlib.sha256(json.dumps(basis, sort_keys=True).encode()).hexdigest()[:16]
+        return config_hash({"trainer": to_dict(self.trainer), "nproc_per_node": self.launch.nproc_per_node})
 
 
 @dataclass(kw_only=True)
