@@ -107,6 +107,8 @@ class LeaderConfig:
             raise ConfigError("interval_s", "must be > 0")
         if self.straggler_factor <= 1:
             raise ConfigError("straggler_factor", "must be > 1")
+        if self.straggler_min_excess_s < 0:
+            raise ConfigError("straggler_min_excess_s", "must be >= 0")
         if self.straggler_evaluations < 1:
             raise ConfigError("straggler_evaluations", "must be >= 1")
         if self.lemon_failures < 0:
