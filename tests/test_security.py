@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -301,3 +302,26 @@ def test_secured_cluster_launch_leaks_no_secret(secure_etcd, pki, tmp_path, subp
     # The run's records in etcd hold a salted hash, never the token.
     store = _store(secure_etcd, _security(pki))
     assert TOKEN not in json.dumps([kv.value.decode(errors="replace") for kv in store.get_prefix("/elastic/runs/secure/")])
+
+
+def test_launcher_refuses_a_wrong_password_before_starting_agents(secure_etcd, pki, monkeypatch, capsys):
+    from launch.cli import main
+
+    monkeypatch.setenv("WRONG_PW_FOR_TEST", "not-the-password")
+    for name in ("ELASTIC_ETCD_CA_FILE", "ELASTIC_ETCD_CERT_FILE", "ELASTIC_ETCD_KEY_FILE", "ELASTIC_ETCD_USER",
+                 PASSWORD_ENV):
+        # prepare_etcd_access exports them: setenv first so that monkeypatch removes them again afterwards.
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    rc = main(["--etcd-endpoint", secure_etcd.endpoint, "--etcd-ca", str(pki.ca), "--etcd-cert", str(pki.client_cert),
+               "--etcd-key", str(pki.client_key), "--etcd-user", "elastic", "--etcd-password-env", "WRONG_PW_FOR_TEST"])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert err.splitlines() == [(f"elastic-launch: etcd error: etcd at {secure_etcd.endpoint} refused user 'elastic': "
+                                 "etcdserver: authentication failed, invalid user ID or password")]
+    assert "not-the-password" not in err
+
+
+def test_no_etcd_setting_leaked_into_this_process():
+    """Guard for the in-process tests above: a leftover ELASTIC_ETCD_* would turn every later store into https."""
+    assert not {k for k in os.environ if k.startswith("ELASTIC_ETCD_")}
