@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from elastic.config import from_dict, to_dict
 from launch.config import RunConfig
 
-SETTINGS = settings(max_examples=40, deadline=None, derandomize=True,
+SETTINGS = settings(max_examples=30, deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.too_slow])
 
 _TEXT = st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=12)
