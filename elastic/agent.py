@@ -50,7 +50,7 @@ from elastic.admission import Admission, Refused, join_fingerprint
 from elastic.agent_config import AgentConfig, RendezvousConfig
 from elastic.checkpoint_publish import read_latest
 from elastic.classify import UNCOUNTED, FailureKind, classify
-from elastic.config import ConfigError
+from elastic.config import ConfigError, to_dict
 from elastic.events import EventLog
 from elastic.heartbeat import HeartbeatMonitor, Silence
 from elastic.leader import ClusterPolicy, LeaderLoop
@@ -732,8 +732,6 @@ def main(argv: list[str] | None = None) -> int:
         entrypoint=[*cfg.launch.entrypoint, "--config", args.config, "--run-dir", str(run_dir)],
         local_addr=args.local_addr,
     )
-    from elastic.config import to_dict
-
     admission = Admission(run_id=args.run_id, node_id=args.node_id, token=token,
                           fingerprint=join_fingerprint(to_dict(cfg)), join_check=cfg.security.join_check)
     agent = NodeAgent(spec, cfg.agent, cfg.rendezvous, admission)
