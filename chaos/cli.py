@@ -14,14 +14,16 @@ naming the field and exit 2.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
+from elastic.cli_errors import OneLineArgumentParser
 from elastic.config import ConfigError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="chaos", description=__doc__.split("\n\n")[0])
+    p = OneLineArgumentParser(prog="chaos", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run one launch under a fault plan: chaos run PLAN -- elastic-launch ...")
     run.add_argument("plan", help="fault plan YAML")
@@ -40,6 +42,11 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _check_timeout(value: float) -> None:
+    if not (math.isfinite(value) and value > 0):
+        raise ConfigError("--timeout-s", f"must be a positive number of seconds, got {value!r}")
+
+
 def _cmd_run(args: argparse.Namespace, launch_cmd: list[str]) -> int:
     from chaos.analysis import Expectation, check_run
     from chaos.injectors import EtcdOutage
@@ -48,6 +55,7 @@ def _cmd_run(args: argparse.Namespace, launch_cmd: list[str]) -> int:
     from chaos.runner import CHAOS_DIR, ChaosRunner, resolve_launch
     from chaos.suite import child_env
 
+    _check_timeout(args.timeout_s)
     plan = load_plan(args.plan)
     try:
         launch = resolve_launch(launch_cmd)
@@ -83,6 +91,9 @@ def _cmd_suite(args: argparse.Namespace) -> int:
     only = tuple(n for n in args.only.split(",") if n)
     if args.jobs < 1:
         raise ConfigError("--jobs", "must be >= 1")
+    if args.steps < 1:
+        raise ConfigError("--steps", "must be >= 1")
+    _check_timeout(args.timeout_s)
     cfg = SuiteConfig(Path(args.out).resolve(), num_nodes=args.nodes, steps=args.steps, only=only,
                       timeout_s=args.timeout_s, jobs=args.jobs)
     try:

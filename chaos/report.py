@@ -14,8 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from elastic.events import read_run_events
+from launch.report import DETECTIONS, mark_faults, rank0_steps, run_start
 
-DETECTIONS = ("agent.hang_detected", "agent.rollback", "checkpoint.save_failed")
+__all__ = ["DETECTIONS", "format_table", "plot_timeline", "write_json"]
 
 
 def write_json(report: dict[str, Any], path: Path) -> Path:
@@ -64,21 +65,14 @@ def plot_timeline(scenarios: list[dict[str, Any]], path: Path) -> Path:
 def _panel(ax, scenario: dict[str, Any]) -> None:
     events = read_run_events(scenario["run_dir"])
     res = scenario.get("result", {})
-    start = next((e["ts"] for e in events if e.get("kind") == "launcher.start"), events[0]["ts"] if events else 0)
-    steps = [e for e in events if e.get("kind") == "trainer.step" and e.get("source") == "trainer/rank0"]
+    start = run_start(events)
+    steps = rank0_steps(events)
     # One line per worker process: a restart starts a new line at its resume step.
     for i, pid in enumerate(dict.fromkeys(e["pid"] for e in steps)):
         mine = [e for e in steps if e["pid"] == pid]
         ax.plot([e["ts"] - start for e in mine], [e["step"] for e in mine], ".-", ms=3, lw=1, color="tab:blue",
                 label="rank 0 steps" if i == 0 else None)
-    for i, e in enumerate(e for e in events if e.get("kind") == "chaos.inject"):
-        ax.axvline(e.get("injected_ts", e["ts"]) - start, color="red", lw=1.2, label="fault" if i == 0 else None)
-        ax.annotate(e["fault"], (e.get("injected_ts", e["ts"]) - start, 0), color="red", fontsize=7,
-                    rotation=90, va="bottom", ha="right" if i % 2 == 0 else "left")
-    det = [e for e in events if e.get("kind") in DETECTIONS
-           or (e.get("kind") == "agent.state" and e.get("state") == "FAILED")]
-    if det:
-        ax.plot([e["ts"] - start for e in det], [0.5] * len(det), "v", color="orange", label="detected")
+    mark_faults(ax, events, start)
     rec = [f for f in res.get("faults", []) if f.get("recovered_ts")]
     if rec:
         ax.plot([f["recovered_ts"] - start for f in rec], [f["recovered_step"] for f in rec], "o",

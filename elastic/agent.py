@@ -46,18 +46,20 @@ from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 
+from elastic.admission import Admission, Refused, join_fingerprint
 from elastic.agent_config import AgentConfig, RendezvousConfig
 from elastic.checkpoint_publish import read_latest
 from elastic.classify import UNCOUNTED, FailureKind, classify
-from elastic.config import ConfigError
+from elastic.config import ConfigError, to_dict
 from elastic.events import EventLog
 from elastic.heartbeat import HeartbeatMonitor, Silence
 from elastic.leader import ClusterPolicy, LeaderLoop
+from elastic.metrics import AgentMetrics, MeteredEventLog
 from elastic.naming import BACKEND_NAME, run_prefix
 from elastic.procs import child_preexec, descendants, set_parent_death_signal, terminate_tree
+from elastic.store import EtcdStore, LeaseKeeper, StoreAuthError, StoreError, StoreTLSError
 from elastic.replica_config import ReplicaConfig
 from elastic.replicas import LighthouseUnavailable, ReplicaRuntime
-from elastic.store import EtcdStore, LeaseKeeper, StoreError
 from elastic.worker import SKIP_STEPS_ENV
 
 EXIT_SUCCESS = 0
@@ -91,6 +93,7 @@ class NodeSpec:
     nnodes: str  # "N" or "MIN:MAX"
     nproc_per_node: int
     entrypoint: list[str]  # e.g. ["-m", "trainer.train", "--config", ..., "--run-dir", ...]
+    local_addr: str = "127.0.0.1"  # torchrun --local-addr: where peers reach this node's workers
 
 
 @dataclass
@@ -145,14 +148,17 @@ class Exclusions:
 
 class NodeAgent:
     def __init__(self, spec: NodeSpec, config: AgentConfig, rdzv: RendezvousConfig,
-                 replicas: ReplicaConfig | None = None) -> None:
+                 admission: Admission | None = None, replicas: ReplicaConfig | None = None) -> None:
         self.spec = spec
+        self.admission = admission
         self.config = config
         self.rdzv = rdzv
         self.store = EtcdStore(spec.endpoint)
         self.prefix = run_prefix(rdzv.key_prefix, spec.run_id)
         self.exclusions = Exclusions(self.store, self.prefix)
-        self.events = EventLog(spec.run_dir / "events" / f"agent-{spec.node_id}.jsonl", f"agent/{spec.node_id}")
+        self.metrics = AgentMetrics(spec.node_id, spec.run_dir)
+        self.events: EventLog = MeteredEventLog(spec.run_dir / "events" / f"agent-{spec.node_id}.jsonl",
+                                                f"agent/{spec.node_id}", self.metrics)
         self.state = AgentState.INIT
         self.failures = 0
         self.attempt = 0
@@ -168,6 +174,7 @@ class NodeAgent:
         self._sock.bind(("127.0.0.1", 0))
         self._sock.setblocking(False)
         self.monitor = HeartbeatMonitor(config.heartbeat)
+        self.metrics.watch_silence(lambda: self.monitor.silent_for() if self.state == AgentState.RUNNING else 0.0)
         # Replica-group mode (torchft): this node is one group that restarts alone.
         self.replicas = (ReplicaRuntime(replicas, self.store, self.prefix, spec.node_id, spec.run_id, spec.run_dir,
                                         self.events) if replicas is not None and replicas.enabled else None)
@@ -193,7 +200,8 @@ class NodeAgent:
 
     def _publish_node(self) -> None:
         record = {"node": self.spec.node_id, "host": socket.gethostname(), "pid": os.getpid(),
-                  "state": self.state.value, "failures": self.failures, "ts": time.time()}
+                  "state": self.state.value, "failures": self.failures, "ts": time.time(),
+                  "metrics": self.metrics.address}
         self._put_quietly(self.node_key, record, "publish_node", lease=True)
 
     def _publish_heartbeat(self, epoch: int) -> None:
@@ -245,6 +253,10 @@ class NodeAgent:
     def request_stop(self, signum: int) -> None:
         self._stop_signal = signum
         self._stop.set()
+        # Cleanup (lease revoke, leader resign) is best effort once we are told to stop: with the
+        # launcher gone etcd is usually gone too, and retrying for the full deadline per call
+        # would keep this agent (an orphan by then) alive for most of a minute.
+        self.store.stop_retrying()
 
     def install_signal_handlers(self) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -254,9 +266,11 @@ class NodeAgent:
     def run(self) -> int:
         self.events.emit("agent.start", run_id=self.spec.run_id, endpoint=self.spec.endpoint,
                          nnodes=self.spec.nnodes, max_restarts=self.config.max_restarts)
+        self._serve_metrics()
         try:
             return self._run()
         finally:
+            self.metrics.close()
             self._stop_workers("agent exit")
             if self.replicas is not None:
                 self.replicas.close(drain=self.state == AgentState.SUCCEEDED)
@@ -267,7 +281,24 @@ class NodeAgent:
             self.events.emit("agent.exit", state=self.state.value, failures=self.failures)
             self.events.close()
 
+    def _serve_metrics(self) -> None:
+        try:
+            address = self.metrics.serve(self.config.metrics)
+        except OSError as exc:  # e.g. a fixed port already taken: run without the endpoint
+            self.events.emit("agent.metrics_failed", error=str(exc), port=self.config.metrics.port)
+            print(f"elastic-agent: node {self.spec.node_id}: metrics endpoint not started: {exc}", file=sys.stderr)
+            return
+        if address is not None:
+            self.events.emit("agent.metrics_started", address=address)
+
     def _run(self) -> int:
+        if self.admission is not None:
+            try:
+                self.admission.check(self.store, self.prefix, self.events)
+            except Refused as exc:
+                self.events.emit("agent.refused", reason=str(exc), rc=exc.code)
+                print(f"elastic-agent: node {self.spec.node_id} refused: {exc}", file=sys.stderr)
+                return exc.code
         excluded = self.exclusions.get(self.spec.node_id)
         screened = False
         if excluded is not None:
@@ -512,10 +543,10 @@ class NodeAgent:
             f"--rdzv-backend={BACKEND_NAME}",
             f"--rdzv-endpoint={self.spec.endpoint}",
             f"--rdzv-id={rdzv_id}",
-            f"--rdzv-conf={self.rdzv.torchrun_conf()}",
+            f"--rdzv-conf={','.join([self.rdzv.torchrun_conf(), *self.store.security.rdzv_conf()])}",
             "--max-restarts=0",
             "--monitor-interval=0.1",
-            "--local-addr=127.0.0.1",
+            f"--local-addr={self.spec.local_addr}",
             f"--log-dir={self.attempt_dir(epoch)}",
             *self.spec.entrypoint,
         ]
@@ -572,6 +603,7 @@ class NodeAgent:
                                  runtime_s=time.monotonic() - started)
                 # Workers in their own sessions may outlive torchrun: reap them.
                 terminate_tree(None, self._known_pids, self.config.term_grace_s)
+                self.metrics.tick()  # the attempt's last checkpoint events (the final commit)
                 self._proc = None
                 if rc == 0:
                     return Attempt("succeeded", rc)
@@ -581,6 +613,7 @@ class NodeAgent:
                 return Attempt("stopped")
             self._known_pids.update(descendants(self._proc.pid))
             for report in self._drain_reports():
+                self.metrics.observe_report(report)
                 numerics_step = self._on_report(report, epoch, started, numerics_step)
             now = time.monotonic()
             if now >= next_poll:
@@ -591,6 +624,7 @@ class NodeAgent:
             if now >= next_beat:
                 next_beat = now + self.config.heartbeat.publish_interval_s
                 self._publish_heartbeat(epoch)
+                self.metrics.tick()
             verdict, detail = self.monitor.check()
             if verdict != Silence.NONE and numerics_step is None:
                 kind = {Silence.CULPRIT: FailureKind.HANG, Silence.VICTIM: FailureKind.STALL,
@@ -697,6 +731,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--etcd-endpoint", required=True)
     p.add_argument("--run-dir", required=True)
     p.add_argument("--config", required=True, help="resolved run config (YAML)")
+    p.add_argument("--local-addr", default="127.0.0.1", help="where peers reach this node (torchrun --local-addr)")
     return p.parse_args(argv)
 
 
@@ -708,6 +743,10 @@ def main(argv: list[str] | None = None) -> int:
     set_parent_death_signal(signal.SIGTERM)
     try:
         cfg = load_config(args.config)
+        # Children (torchrun, workers, diag) inherit the etcd credentials through the environment.
+        if cfg.etcd.enabled:
+            os.environ.update(cfg.etcd.resolve().env())
+        token = cfg.security.token()
     except ConfigError as exc:
         print(f"elastic-agent: config error: {exc}", file=sys.stderr)
         return EXIT_CONFIG
@@ -716,10 +755,17 @@ def main(argv: list[str] | None = None) -> int:
         run_id=args.run_id, node_id=args.node_id, endpoint=args.etcd_endpoint, run_dir=run_dir,
         nnodes=cfg.launch.nodes, nproc_per_node=cfg.launch.nproc_per_node,
         entrypoint=[*cfg.launch.entrypoint, "--config", args.config, "--run-dir", str(run_dir)],
+        local_addr=args.local_addr,
     )
-    agent = NodeAgent(spec, cfg.agent, cfg.rendezvous, cfg.replicas)
+    admission = Admission(run_id=args.run_id, node_id=args.node_id, token=token,
+                          fingerprint=join_fingerprint(to_dict(cfg)), join_check=cfg.security.join_check)
+    agent = NodeAgent(spec, cfg.agent, cfg.rendezvous, admission, cfg.replicas)
     agent.install_signal_handlers()
-    return agent.run()
+    try:
+        return agent.run()
+    except (StoreAuthError, StoreTLSError) as exc:
+        print(f"elastic-agent: node {args.node_id}: etcd error: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
 
 
 if __name__ == "__main__":

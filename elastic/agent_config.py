@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from elastic.config import ConfigError
+from elastic.metrics import MetricsConfig
 from elastic.naming import DEFAULT_KEY_PREFIX
 
 
@@ -106,6 +107,8 @@ class LeaderConfig:
             raise ConfigError("interval_s", "must be > 0")
         if self.straggler_factor <= 1:
             raise ConfigError("straggler_factor", "must be > 1")
+        if self.straggler_min_excess_s < 0:
+            raise ConfigError("straggler_min_excess_s", "must be >= 0")
         if self.straggler_evaluations < 1:
             raise ConfigError("straggler_evaluations", "must be >= 1")
         if self.lemon_failures < 0:
@@ -155,6 +158,7 @@ class AgentConfig:
     failure: FailurePolicy = field(default_factory=FailurePolicy)
     leader: LeaderConfig = field(default_factory=LeaderConfig)
     preflight: PreflightConfig = field(default_factory=PreflightConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
     def __post_init__(self) -> None:
         if self.max_restarts < 0:

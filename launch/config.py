@@ -10,14 +10,14 @@ dotted field path.
     agent:      elastic.agent.AgentConfig
     rendezvous: elastic.agent.RendezvousConfig
     checkpoint: elastic.checkpoint.CheckpointConfig
+    etcd:       elastic.etcd_security.EtcdClientConfig (TLS client cert, user; password by reference)
+    security:   elastic.admission.SecurityConfig (run token by reference, join check)
     trainer:    the trainer's own section (trainer.train.MLPTrainerConfig)
     replicas:   elastic.replica_config.ReplicaConfig (torchft replica-group mode, off by default)
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import re
 from dataclasses import dataclass, field
@@ -25,12 +25,16 @@ from pathlib import Path
 
 import yaml
 
+from elastic.admission import SecurityConfig
 from elastic.agent_config import AgentConfig, RendezvousConfig
 from elastic.checkpoint_config import CheckpointConfig
 from elastic.config import ConfigError, from_dict, to_dict
+from elastic.etcd_security import EtcdClientConfig
+from elastic.fingerprint import config_hash
 from elastic.replica_config import ReplicaConfig, check_replica_launch
 from trainer.dit_config import DiTTrainerConfig
 from trainer.minimal_config import MLPTrainerConfig
+from trainer.tensorboard import TensorBoardConfig
 
 DIT_ENTRYPOINT = ["-m", "trainer.dit_train"]
 
@@ -56,6 +60,8 @@ class RunSection:
     """Run id: names the run's keys in etcd and the rendezvous."""
     dir: str = ""
     """Run directory (events, checkpoints, logs, summary); default runs/<id>."""
+    loss_plot: bool = True
+    """Draw <dir>/loss.png (rank 0 loss, restarts and faults marked) when the run ends."""
 
     def __post_init__(self) -> None:
         if not _RUN_ID_RE.match(self.id):
@@ -71,6 +77,9 @@ class LaunchConfig:
     """host:port of the run's etcd; empty -> local mode with an embedded etcd."""
     node_id: str | None = None
     """This node's id in cluster mode (default: the hostname)."""
+    local_addr: str | None = None
+    """Address other nodes reach this node's workers at (torchrun --local-addr); default
+    127.0.0.1 in local mode, the host's FQDN in cluster mode."""
     entrypoint: list[str] = field(default_factory=lambda: ["-m", "trainer.train"])
     """What torchrun runs; the agent appends --config and --run-dir."""
     respawn_excluded: bool = False
@@ -103,7 +112,11 @@ class RunConfig:
     agent: AgentConfig = field(default_factory=AgentConfig)
     rendezvous: RendezvousConfig = field(default_factory=RendezvousConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    etcd: EtcdClientConfig = field(default_factory=EtcdClientConfig)
+    security: SecurityConfig = field(default_factory=SecurityConfig)
     trainer: MLPTrainerConfig = field(default_factory=MLPTrainerConfig)
+    tensorboard: TensorBoardConfig = field(default_factory=TensorBoardConfig)
+    """Trainer scalars for TensorBoard (rank 0); outside ``trainer`` so it is not in the fingerprint."""
     replicas: ReplicaConfig = field(default_factory=ReplicaConfig)
     fingerprint: str = ""
     """Set by the launcher: hash of what defines the training state (checkpoints from other configs are foreign)."""
@@ -117,8 +130,7 @@ class RunConfig:
     def compute_fingerprint(self) -> str:
         # Only what changes the meaning of saved state: the trainer section and world layout.
         # Restart budgets, timeouts and paths may change between restarts of the same run.
-        basis = {"trainer": to_dict(self.trainer), "nproc_per_node": self.launch.nproc_per_node}
-        return hashlib.sha256(json.dumps(basis, sort_keys=True).encode()).hexdigest()[:16]
+        return config_hash({"trainer": to_dict(self.trainer), "nproc_per_node": self.launch.nproc_per_node})
 
 
 @dataclass(kw_only=True)

@@ -23,6 +23,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from elastic.agent import EXIT_EXCLUDED, Exclusions
 from elastic.etcd_server import EmbeddedEtcd
@@ -32,6 +33,9 @@ from elastic.naming import run_prefix
 from elastic.store import EtcdStore, StoreError
 from elastic.procs import child_preexec, descendants, terminate_tree
 from launch.config import RunConfig, dump_config
+
+if TYPE_CHECKING:
+    from launch.status import LiveStatus
 
 
 @dataclass
@@ -49,13 +53,19 @@ class LaunchResult:
 
 
 class Launcher:
-    def __init__(self, cfg: RunConfig, run_dir: Path) -> None:
+    def __init__(self, cfg: RunConfig, run_dir: Path, live: bool = False) -> None:
         self.cfg = cfg
         self.run_dir = run_dir
+        self.live = live  # a live status table on the terminal (launch.status.LiveStatus)
         self.etcd: EmbeddedEtcd | None = None
         self.agents: list[AgentProc] = []
         self._stop_signal: int | None = None
-        self.events = EventLog(run_dir / "events" / "launcher.jsonl", "launcher")
+        self.events = EventLog(self._events_path(), "launcher")
+
+    def _events_path(self) -> Path:
+        # In cluster mode one launcher per host shares the run dir: writers never share a file.
+        name = f"launcher-{self.node_ids()[0]}.jsonl" if self.cfg.launch.etcd_endpoint else "launcher.jsonl"
+        return self.run_dir / "events" / name
 
     # -- setup --------------------------------------------------------------
     def _endpoint(self) -> str:
@@ -71,11 +81,18 @@ class Launcher:
             return [self.cfg.launch.node_id or socket.gethostname()]
         return [f"node{i}" for i in range(self.cfg.launch.max_nodes)]
 
+    def local_addr(self) -> str:
+        """Where other nodes reach this node's workers (torchrun --local-addr)."""
+        if self.cfg.launch.local_addr:
+            return self.cfg.launch.local_addr
+        return socket.getfqdn() if self.cfg.launch.etcd_endpoint else "127.0.0.1"
+
     def _spawn_agent(self, node_id: str, endpoint: str, config_path: Path) -> AgentProc:
         log_path = self.run_dir / "logs" / f"agent-{node_id}.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
         cmd = [sys.executable, "-m", "elastic.agent", "--run-id", self.cfg.run.id, "--node-id", node_id,
-               "--etcd-endpoint", endpoint, "--run-dir", str(self.run_dir), "--config", str(config_path)]
+               "--etcd-endpoint", endpoint, "--run-dir", str(self.run_dir), "--config", str(config_path),
+               "--local-addr", self.local_addr()]
         with open(log_path, "ab") as log:
             # Own session: a terminal Ctrl-C reaches only the launcher, which then stops the
             # agents in order instead of every process receiving SIGINT at once.
@@ -108,9 +125,22 @@ class Launcher:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
         summary = self.summarize(time.time() - started)
+        summary["loss_png"] = self._loss_plot()
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         (self.run_dir / "goodput.json").write_text(json.dumps(summary["goodput"], indent=1))
         return LaunchResult(self._exit_code(), summary)
+
+    def _loss_plot(self) -> str | None:
+        if not self.cfg.run.loss_plot:
+            return None
+        from launch.report import plot_loss
+
+        try:
+            path = plot_loss(self.run_dir)
+        except (OSError, ValueError, RuntimeError) as exc:  # the report must never fail a finished run
+            self.events.emit("launcher.report_failed", error=str(exc))
+            return None
+        return str(path) if path is not None else None
 
     def _archive_previous(self) -> None:
         """A relaunch in the same run dir resumes from its checkpoints but starts fresh logs.
@@ -119,6 +149,10 @@ class Launcher:
         this launch's summary counts only its own events; a local launch also starts a
         fresh embedded etcd (epochs and leases of a dead launch mean nothing now).
         """
+        if self.cfg.launch.etcd_endpoint:
+            # Other hosts' launchers write to this run dir right now: moving it would pull their
+            # files away; a cluster relaunch appends to the same logs instead.
+            return
         old = [self.run_dir / name for name in ("events", "torchrun", "logs", "summary.json")
                if (self.run_dir / name).exists()]
         if old:
@@ -132,15 +166,30 @@ class Launcher:
             shutil.rmtree(self.run_dir / "etcd", ignore_errors=True)
         # The events log was opened before archiving; reopen it at the fresh path.
         self.events.close()
-        self.events = EventLog(self.run_dir / "events" / "launcher.jsonl", "launcher")
+        self.events = EventLog(self._events_path(), "launcher")
 
     def _wait_agents(self, endpoint: str, config_path: Path) -> None:
         respawn = self.cfg.launch.respawn_excluded and not self.cfg.launch.etcd_endpoint
         store = EtcdStore(endpoint, retry_deadline=2.0)
         prefix = run_prefix(self.cfg.rendezvous.key_prefix, self.cfg.run.id)
         exclusions = Exclusions(store, prefix)
+        live = None
+        if self.live:
+            from launch.status import LiveStatus
+
+            live = LiveStatus(store, prefix)
+        try:
+            self._poll_agents(endpoint, config_path, store, prefix, exclusions, respawn, live)
+        finally:
+            if live is not None:
+                live.close()
+
+    def _poll_agents(self, endpoint: str, config_path: Path, store: EtcdStore, prefix: str,
+                     exclusions: Exclusions, respawn: bool, live: LiveStatus | None) -> None:
         next_check = 0.0
         while True:
+            if live is not None:
+                live.update()
             if self._stop_signal is not None:
                 self.events.emit("launcher.interrupted", signal=self._stop_signal)
                 return

@@ -277,7 +277,8 @@ def test_etcd_outage_stop_freezes_then_thaws_the_server(tmp_path, etcd_server):
     t0 = time.monotonic()
     outage.inject(make_ctx(tmp_path))
     try:
-        assert proc_state(etcd_server.pid) == "T"
+        # SIGSTOP is delivered asynchronously: a busy server can still read "R" for a moment.
+        assert wait_until(lambda: proc_state(etcd_server.pid) == "T", 1.0)
         assert not etcd_healthy(etcd_server.endpoint, timeout=0.5)  # really unresponsive
         assert wait_until(lambda: etcd_healthy(etcd_server.endpoint), 6)
         assert time.monotonic() - t0 >= 1.5

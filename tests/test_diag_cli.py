@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -118,14 +117,12 @@ def test_example_thresholds_file_loads():
 # -- preflight API ------------------------------------------------------------------
 
 
-def test_run_screen_quick_is_fast_and_passes(tmp_path):
-    start = time.perf_counter()
+def test_run_screen_quick_passes(tmp_path):
+    # Behaviour only: how long a screen takes is for benchmarks/, not for a test on a shared host.
     report = run_screen("quick", ckpt_dir=tmp_path)
-    elapsed = time.perf_counter() - start
     assert report.verdict in ("pass", "warn"), report.failures
     assert report.failures == []
     assert {c.name for c in report.checks if c.verdict == "skip"} == {"gpu", "nvlink", "ib", "etcd"}
-    assert elapsed < 10  # ~1-2 s on an idle 2-core host; slack for a loaded one
     d = report.to_dict()
     assert d["verdict"] == report.verdict and len(d["checks"]) == 8
 

@@ -51,6 +51,10 @@ def test_uninterrupted_run_completes(baseline):
     for kind in ("launcher.start", "agent.state", "agent.first_step", "trainer.start", "trainer.step",
                  "checkpoint.committed", "trainer.done", "agent.exit", "launcher.etcd_stopped"):
         assert kind in kinds, kind
+    # The run report's loss curve, and every agent served metrics.
+    assert s["loss_png"] == str(baseline["run_dir"] / "loss.png")
+    assert (baseline["run_dir"] / "loss.png").read_bytes()[:4] == b"\x89PNG"
+    assert kinds.count("agent.metrics_started") == 2
 
 
 def test_sigkill_worker_recovers_with_identical_weights(baseline, tmp_path, subprocess_env_module):

@@ -112,7 +112,10 @@ def test_straggler_is_excluded_run_shrinks_then_grows_back(tmp_path, subprocess_
     assert proc.returncode == 0, out
     sizes = [e["world_size"] for e in kinds(run_dir, "trainer.start") if e["source"] == "trainer/rank0"]
     assert sizes[0] == 3 and 2 in sizes and sizes[-1] == 3, sizes  # shrank to N-1, then grew back
-    assert kinds(run_dir, "launcher.agent_respawn") and kinds(run_dir, "agent.join_running")
+    # The respawned agent grows the run either by bumping the epoch (agent.join_running, when it
+    # sees fresh heartbeats) or through torchrun's own waiting-node check, which re-forms the
+    # rendezvous when a node is waiting; which one wins is a race, the growth itself is not.
+    assert kinds(run_dir, "launcher.agent_respawn")
     s = summary_of(run_dir)
     assert s["last_step"] == 60
     assert list(s["excluded"]) == ["node2"]

@@ -53,6 +53,7 @@ from trainer.flow import flow_loss, interpolate, per_sample_noise, velocity_targ
 from trainer.fp8 import convert_to_fp8, fp8_stats
 from trainer.numerics import NumericsGuard
 from trainer.parallel import parallelize
+from trainer.tensorboard import ScalarLog, TensorBoardConfig
 
 RESOLVED_CONFIG_NAME = "dit_trainer.yaml"
 """Written to the run directory by rank 0: what trainer.sample needs to rebuild the model."""
@@ -64,12 +65,13 @@ class DiTTrainerFile:
 
     trainer: DiTTrainerConfig = field(default_factory=DiTTrainerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    tensorboard: TensorBoardConfig = field(default_factory=TensorBoardConfig)
     fingerprint: str = ""
 
 
 def load_trainer_config(path: str | os.PathLike[str]) -> DiTTrainerFile:
     data = yaml.safe_load(Path(path).read_text()) or {}
-    picked = {k: data[k] for k in ("trainer", "checkpoint", "fingerprint") if k in data}
+    picked = {k: data[k] for k in ("trainer", "checkpoint", "tensorboard", "fingerprint") if k in data}
     return from_dict(DiTTrainerFile, picked)
 
 
@@ -229,6 +231,7 @@ def train(cfg_file: DiTTrainerFile, run_dir: Path) -> str:
 
     tokens_per_step = cfg.global_batch_size * cfg.model.num_tokens
     hooks = FaultHooks(run_dir, rank, events)
+    scalars = ScalarLog(cfg_file.tensorboard, run_dir, rank)
     skipped_steps = skip_steps()
     sync = torch.zeros(1, device=device)
     try:
@@ -282,9 +285,11 @@ def train(cfg_file: DiTTrainerFile, run_dir: Path) -> str:
             if cfg.step_sleep:
                 time.sleep(cfg.step_sleep)
             step_time = time.monotonic() - t0
-            events.emit("trainer.step", step=step, loss=loss_value, step_time=step_time,
-                        tokens_per_s=tokens_per_step / step_time if step_time > 0 else None, grad_norm=norm_value,
-                        lr=lr, skipped=not verdict.ok, samples_seen=sampler.samples_seen, fp8=fp8_stats(model))
+            tokens_per_s = tokens_per_step / step_time if step_time > 0 else None
+            fp8 = fp8_stats(model)
+            events.emit("trainer.step", step=step, loss=loss_value, step_time=step_time, tokens_per_s=tokens_per_s,
+                        grad_norm=norm_value, lr=lr, skipped=not verdict.ok, samples_seen=sampler.samples_seen, fp8=fp8)
+            scalars.step(step, loss_value, step_time, grad_norm=norm_value, tokens_per_s=tokens_per_s, lr=lr, fp8=fp8)
             worker.report_step(step, loss_value, step_time, step_time - wait)
             if manager.should_save(step) or step == cfg.steps:
                 if hooks.checkpoint_write_error(step) is not None:
@@ -294,12 +299,14 @@ def train(cfg_file: DiTTrainerFile, run_dir: Path) -> str:
     except NumericsRollback as exc:
         worker.report_numerics(exc.step, exc.reason)
         events.emit("trainer.rollback", step=exc.step, reason=exc.reason)
+        scalars.close()
         manager.close()
         # Every rank reaches the same verdict (global loss and norm), so all of them get here.
         dist.destroy_process_group()
         raise
 
     manager.close()
+    scalars.close()
     worker.report_done(cfg.steps)
     checksum = param_checksum(model)
     publish_checksum(run_dir, rank, checksum)

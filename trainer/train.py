@@ -42,6 +42,7 @@ from elastic.faults import FaultHooks
 from trainer.checksum import param_checksum, publish_checksum
 from elastic.worker import EXIT_NUMERICS, WorkerContext, pg_timeout, skip_steps
 from trainer.minimal_config import MLPTrainerConfig
+from trainer.tensorboard import ScalarLog, TensorBoardConfig
 
 
 @dataclass(kw_only=True)
@@ -50,12 +51,13 @@ class _TrainerFile:
 
     trainer: MLPTrainerConfig = field(default_factory=MLPTrainerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    tensorboard: TensorBoardConfig = field(default_factory=TensorBoardConfig)
     fingerprint: str = ""
 
 
 def load_trainer_config(path: str | os.PathLike[str]) -> _TrainerFile:
     data = yaml.safe_load(Path(path).read_text()) or {}
-    picked = {k: data[k] for k in ("trainer", "checkpoint", "fingerprint") if k in data}
+    picked = {k: data[k] for k in ("trainer", "checkpoint", "tensorboard", "fingerprint") if k in data}
     return from_dict(_TrainerFile, picked)
 
 
@@ -142,6 +144,7 @@ def train(cfg_file: _TrainerFile, run_dir: Path) -> str:
                 node=os.environ.get("ELASTIC_NODE_ID"),
                 restart_count=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)))
     loss_fn = nn.MSELoss()
+    scalars = ScalarLog(cfg_file.tensorboard, run_dir, rank)
     hooks = FaultHooks(run_dir, rank, events)
     skipped = skip_steps()
     sync = torch.zeros(1)
@@ -175,12 +178,14 @@ def train(cfg_file: _TrainerFile, run_dir: Path) -> str:
             loss_value = float(loss.detach())
             events.emit("trainer.step", step=step, loss=loss_value, step_time=step_time, busy_time=step_time - wait)
             worker.report_step(step, loss_value, step_time, step_time - wait)
+            scalars.step(step, loss_value, step_time)
         if manager.should_save(step) or step == cfg.steps:
             if hooks.checkpoint_write_error(step) is not None:
                 os.environ[FAIL_WRITE_ENV] = f"{step}:{rank}"  # this rank's write of this save hits ENOSPC
             manager.save(step, {"app": app})  # commits in the background; published to etcd when done
 
     manager.close()  # the final save must commit before the process group goes away
+    scalars.close()
     worker.report_done(cfg.steps)
     checksum = param_checksum(model)
     publish_checksum(run_dir, rank, checksum)

@@ -55,25 +55,23 @@ def min_abs(interval: tuple[float, float]) -> float:
     return min(abs(lo), abs(hi))
 
 
-def sample_dates(endpoint: str, seconds: float, clock: Any, timeout: float, max_samples: int) -> list[tuple[float, float, float]]:
-    from elastic.store import parse_endpoint
-
-    host, port = parse_endpoint(endpoint)
-    url = f"http://{host}:{port}/v3/kv/range"
+def sample_dates(store: Any, seconds: float, clock: Any, timeout: float, max_samples: int) -> list[tuple[float, float, float]]:
+    # The store's own session: https, client cert and auth token when the run's etcd needs them.
+    session, base = store.http_session()
+    url = f"{base}/kv/range"
     samples: list[tuple[float, float, float]] = []
-    with requests.Session() as session:
-        start = time.monotonic()
-        while len(samples) < max_samples:
-            t0 = clock()
-            resp = session.post(url, json={"key": "AA==", "count_only": True}, timeout=timeout)
-            t1 = clock()
-            resp.raise_for_status()
-            date = resp.headers.get("Date")
-            if date is None:
-                break
-            samples.append((t0, t1, email.utils.parsedate_to_datetime(date).timestamp()))
-            if time.monotonic() - start >= seconds:
-                break
+    start = time.monotonic()
+    while len(samples) < max_samples:
+        t0 = clock()
+        resp = session.post(url, json={"key": "AA==", "count_only": True}, timeout=timeout)
+        t1 = clock()
+        resp.raise_for_status()
+        date = resp.headers.get("Date")
+        if date is None:
+            break
+        samples.append((t0, t1, email.utils.parsedate_to_datetime(date).timestamp()))
+        if time.monotonic() - start >= seconds:
+            break
     return samples
 
 
@@ -107,7 +105,7 @@ class EtcdCheck(Check):
                 else:
                     store.delete(key)
                 rtts.append((time.perf_counter() - start) * 1000)
-            samples = sample_dates(ctx.etcd_endpoint, 1.2 if ctx.full else 0.0, clock, t.timeout_s,
+            samples = sample_dates(store, 1.2 if ctx.full else 0.0, clock, t.timeout_s,
                                    max_samples=10_000 if ctx.full else 3)
         except (StoreError, requests.RequestException, ValueError) as exc:
             return CheckResult(name=self.name, verdict="fail", value=None,
