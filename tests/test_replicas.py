@@ -84,7 +84,7 @@ def test_leader_hosts_lighthouse_and_publishes_address(etcd_endpoint, tmp_path):
 def test_agent_in_replica_mode_never_bumps_the_epoch(etcd_endpoint, tmp_path):
     spec = NodeSpec(run_id="r", node_id="node1", endpoint=etcd_endpoint, run_dir=tmp_path, nnodes="2",
                     nproc_per_node=2, entrypoint=list(REPLICA_ENTRYPOINT))
-    agent = NodeAgent(spec, AgentConfig(), RendezvousConfig(), ReplicaConfig(enabled=True))
+    agent = NodeAgent(spec, AgentConfig(), RendezvousConfig(), replicas=ReplicaConfig(enabled=True))
     assert agent.bump_epoch(0) == 0 and agent.read_epoch() == 0
     agent.attempt = 2
     cmd = agent._torchrun_cmd(0)
