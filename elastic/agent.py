@@ -322,7 +322,7 @@ class NodeAgent:
         self._leader = LeaderLoop(self.store, self.prefix, self.spec.node_id, self.config.leader,
                                   ClusterPolicy(self.config.leader, self._exclude_other, self.events), self.events,
                                   is_excluded=lambda node: self.exclusions.get(node) is not None,
-                                  on_change=self.replicas.on_leadership if self.replicas else None)
+                                  on_tick=self._replicas_tick if self.replicas else None)
         self._leader.start()
         self._join_running_run()
         while not self._stop.is_set():
@@ -349,6 +349,10 @@ class NodeAgent:
                 return code
         self._set_state(AgentState.STOPPED, signal=self._stop_signal)
         return EXIT_INTERRUPTED
+
+    def _replicas_tick(self, is_leader: bool) -> None:
+        # The Lighthouse address is bound to this node's lease: it goes when this agent does.
+        self.replicas.tick(is_leader, self._lease.lease_id if self._lease else None)
 
     def _after_failure(self, result: Attempt, epoch: int) -> int | None:
         """Classify, act, and either return an exit code or None to go round again."""

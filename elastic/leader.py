@@ -146,10 +146,10 @@ class LeaderLoop:
 
     def __init__(self, store: EtcdStore, prefix: str, node_id: str, config: LeaderConfig,
                  policy: ClusterPolicy, events: EventLog, is_excluded: Callable[[str], bool],
-                 on_change: Callable[[bool, int | None], None] | None = None) -> None:
+                 on_tick: Callable[[bool], None] | None = None) -> None:
         self.is_excluded = is_excluded
-        # Called with (is_leader, lease id) on each change of leadership, from the leader thread.
-        self.on_change = on_change
+        # Called with is_leader after every election attempt, from the leader thread.
+        self.on_tick = on_tick
         self.store = store
         self.prefix = prefix
         self.config = config
@@ -167,9 +167,6 @@ class LeaderLoop:
         self._stop.set()
         self._thread.join(timeout=3)
         self.election.resign()
-        if self.is_leader and self.on_change is not None:
-            self.is_leader = False
-            self.on_change(False, None)
 
     def _run(self) -> None:
         # Campaign at a third of the TTL so that a holder refreshes well before expiry.
@@ -183,10 +180,9 @@ class LeaderLoop:
                 self.events.emit("leader.elected", node=self.election.node_id)
             elif not leader and self.is_leader:
                 self.events.emit("leader.lost", node=self.election.node_id)
-            changed = leader != self.is_leader
             self.is_leader = leader
-            if changed and self.on_change is not None:
-                self.on_change(leader, self.election.lease_id)
+            if self.on_tick is not None:
+                self.on_tick(leader)
             if leader:
                 try:
                     for node in list(self.policy.excluded_by_policy):

@@ -1,10 +1,10 @@
 """Replica-group mode in the agent: the torchft Lighthouse and each group's torchrun settings.
 
-One node agent = one replica group.  The agent holding the leader lease runs the
+One node agent = one replica group.  The agent holding the leader lease starts the
 Lighthouse (torchft's quorum server, a Rust binary inside the ``torchft`` wheel)
-as a child process in a session of its own, and publishes its address under
-``<run>/torchft/lighthouse`` bound to the leader lease: if the leader agent dies,
-the key disappears with the lease and the next leader starts a new Lighthouse.
+as a child process in a session of its own when none runs, and publishes its
+address under ``<run>/torchft/lighthouse`` bound to its own node lease: if that
+agent dies, the key disappears with the lease and the leader starts a new one.
 Every agent reads the address from etcd before each torchrun attempt and hands
 it to the workers as ``TORCHFT_LIGHTHOUSE``.
 
@@ -127,23 +127,60 @@ class ReplicaRuntime:
         self._lock = threading.Lock()
 
     # -- leader side ------------------------------------------------------------
-    def on_leadership(self, is_leader: bool, lease_id: int | None) -> None:
-        """LeaderLoop callback: the leader hosts the Lighthouse, a former leader stops its own."""
+    def tick(self, is_leader: bool, lease_id: int | None) -> None:
+        """LeaderLoop callback, every election round (about once a second) on every agent.
+
+        The Lighthouse belongs to the agent that started it, not to the leader lease: under load
+        leadership can move every few seconds (measured at a load average of 30), and each move
+        would kill the Lighthouse and with it every group's quorum.  So a leader starts one only
+        when none is published, the address is bound to the host agent's own node lease, and a
+        host stops its Lighthouse only when the published address is no longer its own.
+        """
         with self._lock:
-            if is_leader and not self.host.running():
-                try:
-                    address = self.host.start()
-                    self.store.put(self.key, json.dumps({"address": address, "node": self.node_id,
-                                                         "pid": self.host.proc.pid, "ts": time.time()}),
-                                   lease=lease_id)
-                except (LighthouseUnavailable, StoreError) as exc:
+            try:
+                kv = self.store.get(self.key)
+            except StoreError:
+                return  # etcd unreachable: change nothing
+            owner = self._owner(kv)
+            if self.host.running():
+                if kv is None and lease_id is not None:
+                    self._publish(lease_id)  # our record expired (etcd hiccup): claim it back
+                elif owner not in (None, self.node_id):
                     self.host.stop()
-                    self.events.emit("replicas.lighthouse_error", error=str(exc))
-                    return
-                self.events.emit("replicas.lighthouse_started", address=address, lighthouse_pid=self.host.proc.pid)
-            elif not is_leader and self.host.running():
-                self.host.stop()
-                self.events.emit("replicas.lighthouse_stopped", reason="leadership lost")
+                    self.events.emit("replicas.lighthouse_stopped", reason=f"superseded by {owner}'s")
+            elif is_leader and kv is None and lease_id is not None:
+                self._start(lease_id)
+
+    @staticmethod
+    def _owner(kv) -> str | None:
+        if kv is None:
+            return None
+        try:
+            return json.loads(kv.value).get("node")
+        except (json.JSONDecodeError, AttributeError):
+            return ""
+
+    def _start(self, lease_id: int) -> None:
+        try:
+            address = self.host.start()
+        except LighthouseUnavailable as exc:
+            self.events.emit("replicas.lighthouse_error", error=str(exc))
+            return
+        if not self._publish(lease_id):
+            self.host.stop()
+            return
+        self.events.emit("replicas.lighthouse_started", address=address, lighthouse_pid=self.host.proc.pid)
+
+    def _publish(self, lease_id: int) -> bool:
+        """Create-only: two agents that both saw no Lighthouse cannot both publish one."""
+        record = json.dumps({"address": self.host.address, "node": self.node_id, "pid": self.host.proc.pid,
+                             "ts": time.time()})
+        try:
+            ok, _ = self.store.compare_and_swap(self.key, record, 0, lease=lease_id)
+        except StoreError as exc:
+            self.events.emit("replicas.lighthouse_error", error=str(exc))
+            return False
+        return ok
 
     def close(self, drain: bool) -> None:
         """Stop the Lighthouse; after a success, first let the other groups finish their last steps."""
@@ -154,7 +191,8 @@ class ReplicaRuntime:
                 self.host.stop()
                 self.events.emit("replicas.lighthouse_stopped", reason="agent exit")
                 try:
-                    self.store.delete(self.key)
+                    if self._owner(self.store.get(self.key)) == self.node_id:
+                        self.store.delete(self.key)
                 except StoreError:
                     pass
 

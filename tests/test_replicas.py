@@ -56,12 +56,15 @@ def test_leader_hosts_lighthouse_and_publishes_address(etcd_endpoint, tmp_path):
     store = EtcdStore(etcd_endpoint)
     events = EventLog(tmp_path / "events.jsonl", "test")
     cfg = ReplicaConfig(enabled=True, lighthouse_wait_s=0.5)
-    leader = ReplicaRuntime(cfg, store, "/t/runs/r", "node0", "r", tmp_path, events)
+    first = ReplicaRuntime(cfg, store, "/t/runs/r", "node0", "r", tmp_path, events)
     other = ReplicaRuntime(cfg, store, "/t/runs/r", "node1", "r", tmp_path, events)
+    key = "/t/runs/r/torchft/lighthouse"
     with pytest.raises(LighthouseUnavailable, match="lighthouse_wait_s=0.5s"):
         other.lighthouse_address()  # nobody leads yet
-    lease = store.grant_lease(5)
-    leader.on_leadership(True, lease)
+    other.tick(False, store.grant_lease(5))
+    assert not other.host.running()  # only a leader starts one
+    lease0, lease1 = store.grant_lease(5), store.grant_lease(5)
+    first.tick(True, lease0)
     try:
         address = other.lighthouse_address()
         assert address.startswith("http://127.0.0.1:")
@@ -71,14 +74,23 @@ def test_leader_hosts_lighthouse_and_publishes_address(etcd_endpoint, tmp_path):
         assert other.worker_env(address)["TORCHFT_LIGHTHOUSE"] == address
         assert other.worker_env(address)["REPLICA_GROUP_ID"] == "node1"
         assert other.rdzv_id(3) == "r-rg-node1-a3"
-        pid = json.loads(store.get("/t/runs/r/torchft/lighthouse").value)["pid"]
+        pid = json.loads(store.get(key).value)["pid"]
+        # Leadership moving (load, etcd hiccup) must not take the groups' Lighthouse away.
+        first.tick(False, lease0)
+        other.tick(True, lease1)
+        assert first.host.running() and not other.host.running() and other.lighthouse_address() == address
+        # The host agent gone (its node lease expired): the leader starts a new Lighthouse.
+        store.revoke_lease(lease0)
+        other.tick(True, lease1)
+        assert other.host.running() and other.lighthouse_address() != address
+        first.tick(False, lease0)  # the old host sees it was superseded and stops its own
+        assert not first.host.running()
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
     finally:
-        leader.on_leadership(False, None)  # leadership lost: the Lighthouse goes
-    assert not leader.host.running()
-    with pytest.raises(ProcessLookupError):
-        os.kill(pid, 0)
-    store.revoke_lease(lease)  # the address was bound to the leader lease
-    assert store.get("/t/runs/r/torchft/lighthouse") is None
+        first.close(drain=False)
+        other.close(drain=False)
+    assert store.get(key) is None and not other.host.running()
 
 
 def test_agent_in_replica_mode_never_bumps_the_epoch(etcd_endpoint, tmp_path):
