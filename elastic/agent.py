@@ -47,12 +47,14 @@ from enum import Enum
 from pathlib import Path
 
 from elastic.agent_config import AgentConfig, RendezvousConfig
+from elastic.checkpoint_config import MemoryCacheConfig
 from elastic.checkpoint_publish import read_latest
 from elastic.classify import UNCOUNTED, FailureKind, classify
 from elastic.config import ConfigError
 from elastic.events import EventLog
 from elastic.heartbeat import HeartbeatMonitor, Silence
 from elastic.leader import ClusterPolicy, LeaderLoop
+from elastic.memstate import MemStateServer
 from elastic.naming import BACKEND_NAME, run_prefix
 from elastic.procs import child_preexec, descendants, set_parent_death_signal, terminate_tree
 from elastic.store import EtcdStore, LeaseKeeper, StoreError
@@ -142,7 +144,8 @@ class Exclusions:
 
 
 class NodeAgent:
-    def __init__(self, spec: NodeSpec, config: AgentConfig, rdzv: RendezvousConfig) -> None:
+    def __init__(self, spec: NodeSpec, config: AgentConfig, rdzv: RendezvousConfig,
+                 memory: MemoryCacheConfig | None = None) -> None:
         self.spec = spec
         self.config = config
         self.rdzv = rdzv
@@ -165,6 +168,10 @@ class NodeAgent:
         self._sock.bind(("127.0.0.1", 0))
         self._sock.setblocking(False)
         self.monitor = HeartbeatMonitor(config.heartbeat)
+        # The node's in-memory copy of its workers' newest checkpoint state (elastic.memstate):
+        # it outlives the workers, so a restart on this node loads from RAM.
+        self.memstate = (MemStateServer(memory.max_mib << 20, self.events, memory.timeout_s)
+                         if memory is not None and memory.enabled else None)
 
     # -- keys -------------------------------------------------------------------
     @property
@@ -254,6 +261,8 @@ class NodeAgent:
                 self._leader.close()
             if self._lease is not None:
                 self._lease.close(revoke=True)
+            if self.memstate is not None:
+                self.memstate.close()
             self.events.emit("agent.exit", state=self.state.value, failures=self.failures)
             self.events.close()
 
@@ -523,6 +532,8 @@ class NodeAgent:
             "ELASTIC_PG_TIMEOUT": str(self.config.pg_timeout_s),
             SKIP_STEPS_ENV: self._skip_steps_env(),
         })
+        if self.memstate is not None:
+            env.update(self.memstate.worker_env())
         return env
 
     def _run_once(self, epoch: int) -> Attempt:
@@ -691,7 +702,7 @@ def main(argv: list[str] | None = None) -> int:
         nnodes=cfg.launch.nodes, nproc_per_node=cfg.launch.nproc_per_node,
         entrypoint=[*cfg.launch.entrypoint, "--config", args.config, "--run-dir", str(run_dir)],
     )
-    agent = NodeAgent(spec, cfg.agent, cfg.rendezvous)
+    agent = NodeAgent(spec, cfg.agent, cfg.rendezvous, memory=cfg.checkpoint.memory)
     agent.install_signal_handlers()
     return agent.run()
 
