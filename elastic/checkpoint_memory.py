@@ -234,7 +234,9 @@ class MemoryFastPath:
         Returns (step, extra, event fields) or None (every rank then goes to disk).
         """
         rank, world = _rank(self.group), _world(self.group)
+        t0 = time.monotonic()
         data, info = self._fetch(step, checkpoint_id, world)
+        t_fetch = time.monotonic()
         infos = self._gather(info)
         if not all(i.usable for i in infos) or sorted(i.saved_rank for i in infos) != list(range(world)):
             self._miss(step, info.reason or "another rank has no usable entry")
@@ -246,7 +248,9 @@ class MemoryFastPath:
                 data = self._swap(data, infos, rank, holder)
             if sha256_bytes(data) != infos[holder].sha256:
                 raise MemoryLayoutMismatch("entry received from a peer does not match its sha256")
+            t_swap = time.monotonic()
             tree, extra_blob = decode_state(data)
+            t_decode = time.monotonic()
             targets = as_state_dicts(state)
             check_layout(targets, tree)
         except (MemoryLayoutMismatch, RuntimeError, OSError, KeyError, TypeError) as exc:
@@ -254,6 +258,7 @@ class MemoryFastPath:
         if not _all_true(not error, self.group):
             self._miss(step, error or "another rank's entry does not fit")
             return None
+        t_apply = time.monotonic()
         try:
             for key in sorted(state):
                 value = _restore(targets[key], tree[key])
@@ -268,7 +273,10 @@ class MemoryFastPath:
             # Some ranks may have written part of the state: the disk load that follows rewrites all of it.
             self._miss(step, error or "restore failed on another rank")
             return None
-        return step, extra, {"exchanged": holder != rank, "bytes": len(data)}
+        timings = {"fetch_s": t_fetch - t0, "swap_s": t_swap - t_fetch, "decode_s": t_decode - t_swap,
+                   "target_s": t_apply - t_decode, "restore_s": time.monotonic() - t_apply}
+        return step, extra, {"exchanged": holder != rank, "bytes": len(data),
+                             **{k: round(v, 6) for k, v in timings.items()}}
 
     def _fetch(self, step: int, checkpoint_id: str, world: int) -> tuple[bytearray | None, _RankInfo]:
         try:
