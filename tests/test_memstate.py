@@ -29,8 +29,8 @@ pytestmark = [pytest.mark.timeout(30), pytest.mark.filterwarnings("ignore:torch.
 
 
 def _meta(data: bytes, **fields) -> EntryMeta:
-    base = dict(slot=0, rank=0, world_size=2, step=8, checkpoint_id="abc", fingerprint="fp", epoch=0,
-                sha256=sha256_bytes(data), nbytes=len(data))
+    base = {"slot": 0, "rank": 0, "world_size": 2, "step": 8, "checkpoint_id": "abc", "fingerprint": "fp",
+            "epoch": 0, "sha256": sha256_bytes(data), "nbytes": len(data)}
     return EntryMeta(**{**base, **fields})
 
 
