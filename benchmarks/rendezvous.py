@@ -52,7 +52,7 @@ BACKENDS = ("etcd3", "c10d")
 
 # -- participant process ------------------------------------------------------------
 def _child(args: argparse.Namespace) -> int:
-    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous import RendezvousError, RendezvousParameters
     from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
     from elastic.agent_config import RendezvousConfig
@@ -78,7 +78,7 @@ def _child(args: argparse.Namespace) -> int:
             info = handler.next_rendezvous()
             out = {"start": t0, "end": time.time(), "rank": info.rank, "world": info.world_size,
                    "round": handler._state_holder.state.round}  # no public accessor for the round
-        except Exception as exc:  # reported, then counted as a failed repeat by the parent
+        except (RendezvousError, RuntimeError, OSError, ValueError) as exc:  # the parent fails the repeat
             out = {"start": t0, "end": time.time(), "error": f"{type(exc).__name__}: {exc}"[:300]}
         with lock:
             results.append(out)

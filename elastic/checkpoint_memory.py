@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import io
 import os
+import struct
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -44,9 +45,11 @@ from torch.distributed.tensor import DTensor
 
 from elastic.checkpoint_config import MemoryCacheConfig
 from elastic.events import EventLog
-from elastic.memstate import EntryMeta, MemStateClient, MemStateError, reject_reason, sha256_bytes
+from elastic.memstate import EntryMeta, MemStateClient, MemStateError, reject_reason, sha256_bytes, sha256_chunks
 
 _FORMAT = "elastic-memstate-v1"
+_TENSOR_REF = "__memstate_tensor__"
+_ALIGN = 64
 
 
 class MemoryLayoutMismatch(ValueError):
@@ -70,32 +73,87 @@ def as_state_dicts(state: Mapping[str, Any]) -> dict[str, Any]:
     return {key: value.state_dict() if isinstance(value, Stateful) else value for key, value in state.items()}
 
 
-def _localize(tree: Any) -> Any:
-    if isinstance(tree, DTensor):
-        return tree._local_tensor.detach()
+def _raw(tensor: torch.Tensor) -> memoryview:
+    flat = tensor.detach().contiguous().reshape(-1)
+    return memoryview(flat.view(torch.uint8).numpy()).cast("B") if flat.numel() else memoryview(b"")
+
+
+def _skeleton(tree: Any, tensors: list[torch.Tensor]) -> Any:
+    """``tree`` with each tensor (DTensor: its local shard) replaced by its index in ``tensors``."""
     if isinstance(tree, torch.Tensor):
-        return tree.detach()
+        tensors.append(_local(tree).detach())
+        return {_TENSOR_REF: len(tensors) - 1}
     if isinstance(tree, Mapping):
-        return {key: _localize(value) for key, value in tree.items()}
+        return {key: _skeleton(value, tensors) for key, value in tree.items()}
     if isinstance(tree, (list, tuple)):
-        return type(tree)(_localize(value) for value in tree)
+        return type(tree)(_skeleton(value, tensors) for value in tree)
     return tree
 
 
-def encode_state(tree: Mapping[str, Any], extra: bytes) -> bytes:
+def encode_state(tree: Mapping[str, Any], extra: bytes) -> list[memoryview | bytes]:
+    """The entry as chunks: a small header, then every tensor's raw bytes (views, no copy), then ``extra``.
+
+    Layout: 8-byte little-endian header length, the header (``torch.save`` of the tree with tensor
+    references, each tensor's dtype/shape/offset), padding to 64 bytes, the tensor data (each
+    tensor 64-byte aligned), the extra blob.
+    """
+    tensors: list[torch.Tensor] = []
+    skeleton = _skeleton(tree, tensors)
+    views = [_raw(t) for t in tensors]
+    table, offset = [], 0
+    for tensor, view in zip(tensors, views):
+        offset += -offset % _ALIGN
+        table.append((str(tensor.dtype).removeprefix("torch."), list(tensor.shape), offset, view.nbytes))
+        offset += view.nbytes
     buf = io.BytesIO()
-    torch.save({"format": _FORMAT, "state": _localize(tree),
-                "extra": torch.frombuffer(bytearray(extra), dtype=torch.uint8) if extra else torch.empty(0, dtype=torch.uint8)},
-               buf)
-    return buf.getvalue()
+    torch.save({"format": _FORMAT, "state": skeleton, "tensors": table, "data_bytes": offset,
+                "extra_bytes": len(extra)}, buf)
+    head = struct.pack("<Q", buf.tell()) + buf.getvalue()
+    head += b"\0" * (-len(head) % _ALIGN)
+    chunks: list[memoryview | bytes] = [head]
+    pos = 0
+    for (_, _, off, _), view in zip(table, views):
+        if off > pos:
+            chunks.append(b"\0" * (off - pos))
+        chunks.append(view)
+        pos = off + view.nbytes
+    chunks.append(bytes(extra))
+    return chunks
 
 
-def decode_state(data: bytes | bytearray | memoryview) -> tuple[dict[str, Any], bytes]:
-    """(state tree, extra blob); weights_only: the bytes came over a socket, never unpickle code."""
-    payload = torch.load(io.BytesIO(data), weights_only=True)
-    if not isinstance(payload, dict) or payload.get("format") != _FORMAT:
+def _resolve(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
+    if isinstance(skeleton, dict):
+        if len(skeleton) == 1 and _TENSOR_REF in skeleton:
+            return tensors[skeleton[_TENSOR_REF]]
+        return {key: _resolve(value, tensors) for key, value in skeleton.items()}
+    if isinstance(skeleton, (list, tuple)):
+        return type(skeleton)(_resolve(value, tensors) for value in skeleton)
+    return skeleton
+
+
+def decode_state(data: bytearray | bytes) -> tuple[dict[str, Any], bytes]:
+    """(state tree, extra blob).  Tensors are views into ``data`` (no copy); the header is loaded
+    with ``weights_only``: the bytes came over a socket, so nothing in them may run code."""
+    try:
+        (head_len,) = struct.unpack_from("<Q", data, 0)
+        header = torch.load(io.BytesIO(memoryview(data)[8:8 + head_len]), weights_only=True)
+    except (struct.error, RuntimeError, EOFError, ValueError) as exc:
+        raise MemoryLayoutMismatch(f"cached state has no readable header ({exc})") from exc
+    if not isinstance(header, dict) or header.get("format") != _FORMAT:
         raise MemoryLayoutMismatch(f"cached state is not {_FORMAT}")
-    return payload["state"], payload["extra"].numpy().tobytes()
+    base = 8 + head_len + (-(8 + head_len) % _ALIGN)
+    if base + header["data_bytes"] + header["extra_bytes"] != len(data):
+        raise MemoryLayoutMismatch("cached state is truncated")
+    tensors = []
+    for dtype_name, shape, offset, nbytes in header["tensors"]:
+        dtype = getattr(torch, dtype_name)
+        if nbytes == 0:
+            tensors.append(torch.empty(shape, dtype=dtype))
+            continue
+        flat = torch.frombuffer(data, dtype=torch.uint8, count=nbytes, offset=base + offset)
+        tensors.append(flat.view(dtype).view(shape))
+    extra_at = base + header["data_bytes"]
+    return _resolve(header["state"], tensors), bytes(memoryview(data)[extra_at:])
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -214,11 +272,12 @@ class MemoryFastPath:
     def push(self, step: int, checkpoint_id: str, tree: Mapping[str, Any], extra: bytes) -> None:
         t0 = time.monotonic()
         try:
-            data = encode_state(tree, extra)
+            chunks = encode_state(tree, extra)
+            sha, nbytes = sha256_chunks(chunks)
             meta = EntryMeta(slot=self.slot, rank=_rank(self.group), world_size=_world(self.group), step=step,
                              checkpoint_id=checkpoint_id, fingerprint=self.fingerprint, epoch=self.epoch,
-                             sha256=sha256_bytes(data), nbytes=len(data))
-            self.client.put(meta, data)
+                             sha256=sha, nbytes=nbytes)
+            self.client.put(meta, *chunks)
         except (MemStateError, OSError, RuntimeError, ValueError) as exc:
             self.events.emit("checkpoint.memory_push_failed", step=step, error=f"{type(exc).__name__}: {exc}"[:500])
             return

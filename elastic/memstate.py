@@ -111,8 +111,21 @@ def reject_reason(
     return None
 
 
-def sha256_bytes(data: bytes | bytearray | memoryview) -> str:
+Chunk = bytes | bytearray | memoryview
+
+
+def sha256_bytes(data: Chunk) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+def sha256_chunks(chunks: list[Chunk]) -> tuple[str, int]:
+    """(sha256, total bytes) of the concatenation of ``chunks``."""
+    digest = hashlib.sha256()
+    total = 0
+    for chunk in chunks:
+        digest.update(chunk)
+        total += memoryview(chunk).nbytes
+    return digest.hexdigest(), total
 
 
 def _read_line(sock: socket.socket) -> dict[str, Any]:
@@ -139,10 +152,10 @@ def _read_exact(sock: socket.socket, nbytes: int) -> bytearray:
     return data
 
 
-def _send(sock: socket.socket, header: dict[str, Any], body: bytes | bytearray | memoryview = b"") -> None:
+def _send(sock: socket.socket, header: dict[str, Any], *body: Chunk) -> None:
     sock.sendall(json.dumps(header).encode() + b"\n")
-    if len(body):
-        sock.sendall(body)
+    for chunk in body:
+        sock.sendall(chunk)
 
 
 class MemStateCache:
@@ -301,10 +314,11 @@ class MemStateClient:
         except OSError as exc:
             raise MemStateUnavailable(f"cannot reach the agent's cache at {self.addr[0]}:{self.addr[1]}: {exc}") from exc
 
-    def put(self, meta: EntryMeta, data: bytes | bytearray | memoryview) -> None:
+    def put(self, meta: EntryMeta, *chunks: Chunk) -> None:
+        """Store the concatenation of ``chunks`` (sent as they are: no joined copy) as the slot's entry."""
         with self._connect() as sock:
             try:
-                _send(sock, {"op": "put", "token": self.token, "meta": meta.to_json()}, data)
+                _send(sock, {"op": "put", "token": self.token, "meta": meta.to_json()}, *chunks)
                 reply = _read_line(sock)
             except (OSError, ValueError, ConnectionError) as exc:
                 raise MemStateUnavailable(f"push failed: {exc}") from exc

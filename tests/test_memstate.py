@@ -122,7 +122,11 @@ def test_config_errors_are_one_line_with_the_field_path():
 
 def test_layout_check_names_the_path():
     model, optim = _trained()
-    tree, _ = decode_state(encode_state(_state(model, optim), b""))
+    chunks = encode_state({**_state(model, optim), "odd": [torch.tensor(True), torch.zeros(0), (1, "x")]}, b"ex")
+    tree, extra = decode_state(bytearray(b"".join(chunks)))
+    assert extra == b"ex" and tree["odd"][2] == (1, "x") and tree["odd"][0].dtype == torch.bool
+    assert torch.equal(tree["model"]["a.weight"], model.a.weight)
+    del tree["odd"]
     check_layout(_state(model, optim), tree)
     other, other_optim = _trained()
     other.a = torch.nn.Linear(6, 4)
