@@ -20,9 +20,9 @@ repeat counts only if every participant returned the same round, world size
 Servers, both on 127.0.0.1 and both outside the participant processes: an
 :class:`~elastic.etcd_server.EmbeddedEtcd` (etcd3) and a ``TCPStore`` hosted by
 the parent (c10d, participants get ``is_host=False``).  Both backends use
-the same rendezvous timings: this project's ``RendezvousConfig`` defaults (the
-values elastic-launch passes to torchrun) and min = max = size, so a round
-closes as soon as the last participant joins.  The participants run with
+the same rendezvous timings (``--timings``: torch's handler defaults, or this
+project's ``RendezvousConfig`` defaults that elastic-launch passes to torchrun)
+and min = max = size, so a round closes as soon as the last participant joins.  The participants run with
 ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, as under the node agent.
 Prints one JSON object.
 """
@@ -34,6 +34,7 @@ import json
 import os
 import select
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -50,15 +51,24 @@ sys.path.insert(0, str(REPO))
 BACKENDS = ("etcd3", "c10d")
 
 
+def _timings(profile: str) -> dict[str, str]:
+    """Rendezvous settings for both backends: ``project`` = what elastic-launch passes to torchrun
+    (``RendezvousConfig`` defaults: 1 s keep-alive, 5 s heartbeat timeout, tuned for small local runs);
+    ``torch`` = torch's own DynamicRendezvousHandler defaults (5 s keep-alive, 30 s heartbeat timeout)."""
+    from elastic.agent_config import RendezvousConfig
+
+    if profile == "project":
+        return dict(item.split("=", 1) for item in RendezvousConfig().torchrun_conf().split(","))
+    return {"join_timeout": "600", "last_call_timeout": "30", "close_timeout": "30", "heartbeat_timeout": "30",
+            "keep_alive_interval": "5"}
+
+
 # -- participant process ------------------------------------------------------------
 def _child(args: argparse.Namespace) -> int:
     from torch.distributed.elastic.rendezvous import RendezvousError, RendezvousParameters
     from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
-    from elastic.agent_config import RendezvousConfig
-
-    rdzv = RendezvousConfig()
-    conf = dict(item.split("=", 1) for item in rdzv.torchrun_conf().split(","))
+    conf = _timings(args.timings)
     if args.backend == "c10d":
         conf = {**conf, "is_host": "false", "read_timeout": "300"}
     handlers = []
@@ -94,14 +104,14 @@ def _child(args: argparse.Namespace) -> int:
 
 
 # -- parent -------------------------------------------------------------------------------
-def _one_round(backend: str, size: int, procs: int, endpoint: str, timeout: float) -> dict:
+def _one_round(backend: str, size: int, procs: int, endpoint: str, timeout: float, timings: str) -> dict:
     run_id = f"bench-{backend}-{size}-{uuid.uuid4().hex[:8]}"
     per = [size // procs + (1 if i < size % procs else 0) for i in range(procs)]
     env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     children = [
         subprocess.Popen([sys.executable, __file__, "--child", "--backend", backend, "--endpoint", endpoint,
-                          "--run-id", run_id, "--size", str(size), "--threads", str(n)],
+                          "--run-id", run_id, "--size", str(size), "--threads", str(n), "--timings", timings],
                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
         for n in per if n
     ]
@@ -164,6 +174,8 @@ def main() -> int:
     parser.add_argument("--procs", type=int, default=4, help="participant processes per rendezvous")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds allowed per rendezvous")
     parser.add_argument("--backends", default=",".join(BACKENDS))
+    parser.add_argument("--timings", choices=("torch", "project"), default="torch",
+                        help="rendezvous keep-alive/heartbeat settings used by both backends (see _timings)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--backend", help=argparse.SUPPRESS)
     parser.add_argument("--endpoint", help=argparse.SUPPRESS)
@@ -182,17 +194,19 @@ def main() -> int:
     backends = [b for b in args.backends.split(",") if b]
     work = Path(tempfile.mkdtemp(prefix="bench-rdzv-"))
     etcd = EmbeddedEtcd(data_dir=work / "etcd", log_path=work / "etcd.log")
-    etcd.start()
+    etcd.start(parent_death_signal=signal.SIGKILL)
+    # SIGTERM/SIGINT unwind through the finally below, which stops etcd and the participants.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     c10d_port = free_port()
     store = TCPStore("127.0.0.1", c10d_port, is_master=True, multi_tenant=True, timeout=timedelta(seconds=600),
                      wait_for_workers=False)
     endpoints = {"etcd3": etcd.endpoint, "c10d": f"127.0.0.1:{c10d_port}"}
-    report: dict = {"procs": args.procs, "repeats": args.repeats, "loadavg_1m_start": round(os.getloadavg()[0], 2),
+    report: dict = {"timings": _timings(args.timings), "procs": args.procs, "repeats": args.repeats, "loadavg_1m_start": round(os.getloadavg()[0], 2),
                     "cpus": os.cpu_count(), "results": {}}
     try:
         for size in sizes:
             for backend in backends:
-                runs = [_one_round(backend, size, args.procs, endpoints[backend], args.timeout)
+                runs = [_one_round(backend, size, args.procs, endpoints[backend], args.timeout, args.timings)
                         for _ in range(args.repeats)]
                 good = [r["formation_s"] for r in runs if r.get("ok")]
                 report["results"][f"{backend}/{size}"] = {
