@@ -48,6 +48,7 @@ from pathlib import Path
 
 from elastic.admission import Admission, Refused, join_fingerprint
 from elastic.agent_config import AgentConfig, RendezvousConfig
+from elastic.checkpoint_config import MemoryCacheConfig
 from elastic.checkpoint_publish import read_latest
 from elastic.classify import UNCOUNTED, FailureKind, classify
 from elastic.config import ConfigError, to_dict
@@ -55,6 +56,7 @@ from elastic.events import EventLog
 from elastic.heartbeat import HeartbeatMonitor, Silence
 from elastic.leader import ClusterPolicy, LeaderLoop
 from elastic.metrics import AgentMetrics, MeteredEventLog
+from elastic.memstate import MemStateServer
 from elastic.naming import BACKEND_NAME, run_prefix
 from elastic.procs import child_preexec, descendants, set_parent_death_signal, terminate_tree
 from elastic.store import EtcdStore, LeaseKeeper, StoreAuthError, StoreError, StoreTLSError
@@ -148,7 +150,8 @@ class Exclusions:
 
 class NodeAgent:
     def __init__(self, spec: NodeSpec, config: AgentConfig, rdzv: RendezvousConfig,
-                 admission: Admission | None = None, replicas: ReplicaConfig | None = None) -> None:
+                 admission: Admission | None = None, memory: MemoryCacheConfig | None = None,
+                 replicas: ReplicaConfig | None = None) -> None:
         self.spec = spec
         self.admission = admission
         self.config = config
@@ -178,6 +181,10 @@ class NodeAgent:
         # Replica-group mode (torchft): this node is one group that restarts alone.
         self.replicas = (ReplicaRuntime(replicas, self.store, self.prefix, spec.node_id, spec.run_id, spec.run_dir,
                                         self.events) if replicas is not None and replicas.enabled else None)
+        # The node's in-memory copy of its workers' newest checkpoint state (elastic.memstate):
+        # it outlives the workers, so a restart on this node loads from RAM.
+        self.memstate = (MemStateServer(memory.max_mib << 20, self.events, memory.timeout_s)
+                         if memory is not None and memory.enabled else None)
 
     # -- keys -------------------------------------------------------------------
     @property
@@ -278,6 +285,8 @@ class NodeAgent:
                 self._leader.close()
             if self._lease is not None:
                 self._lease.close(revoke=True)
+            if self.memstate is not None:
+                self.memstate.close()
             self.events.emit("agent.exit", state=self.state.value, failures=self.failures)
             self.events.close()
 
@@ -572,6 +581,8 @@ class NodeAgent:
             "ELASTIC_PG_TIMEOUT": str(self.config.pg_timeout_s),
             SKIP_STEPS_ENV: self._skip_steps_env(),
         })
+        if self.memstate is not None:
+            env.update(self.memstate.worker_env())
         return env
 
     def _run_once(self, epoch: int) -> Attempt:
@@ -763,7 +774,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     admission = Admission(run_id=args.run_id, node_id=args.node_id, token=token,
                           fingerprint=join_fingerprint(to_dict(cfg)), join_check=cfg.security.join_check)
-    agent = NodeAgent(spec, cfg.agent, cfg.rendezvous, admission, cfg.replicas)
+    agent = NodeAgent(spec, cfg.agent, cfg.rendezvous, admission, memory=cfg.checkpoint.memory,
+                      replicas=cfg.replicas)
     agent.install_signal_handlers()
     try:
         return agent.run()

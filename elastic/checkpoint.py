@@ -72,6 +72,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -81,10 +82,12 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from elastic.checkpoint_config import CheckpointConfig
+from elastic.checkpoint_memory import MemoryFastPath, RecordingStager, as_state_dicts
 from elastic.checkpoint_format import MANIFEST_FILE, SafetensorsShardReader, SafetensorsShardWriter, read_extra, read_manifest
 from elastic.checkpoint_publish import EtcdCheckpointPublisher, publisher_from_env
 from elastic.checkpoint_storage import CheckpointStorage, LocalStorage, storage_for_save
 from elastic.events import EventLog
+from elastic.memstate import MemStateClient
 
 __all__ = [
     "COMMIT_FILE",
@@ -216,6 +219,10 @@ class CheckpointManager:
     ``publisher(step, path)`` is called by rank 0 after each commit (errors are
     events).  ``storage`` is the write seam; by default local files, wrapped
     with ``ELASTIC_CKPT_FAIL_WRITE`` fault injection when that is set.
+    With ``config.memory.enabled`` each saved state is also pushed to the node
+    agent's in-memory cache and :meth:`load_latest` tries that first
+    (:mod:`elastic.checkpoint_memory`); ``memory_client`` overrides the cache
+    address taken from the agent's environment.
     Construction, :meth:`save`, :meth:`load_latest` and :meth:`close` are
     collective over ``group``.
     """
@@ -229,6 +236,7 @@ class CheckpointManager:
         group: dist.ProcessGroup | None = None,
         publisher: Callable[[int, str], None] | None = None,
         storage: CheckpointStorage | None = None,
+        memory_client: MemStateClient | None = None,
     ) -> None:
         self._finalizer: ThreadPoolExecutor | None = None
         self._inflight: Future[None] | None = None
@@ -245,6 +253,7 @@ class CheckpointManager:
         self.last_error: BaseException | None = None
         self.last_committed: int | None = None
         self._rank = _rank()
+        self.memory = MemoryFastPath.from_env(config.memory, fingerprint, self.events, self.group, memory_client)
         if self._rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
             self._remove_stale_tmp()
@@ -298,9 +307,13 @@ class CheckpointManager:
             writer = SafetensorsShardWriter(
                 tmp, step, self._rank, storage_for_save(self.storage, self._rank), blob, nice=self.config.writer_nice
             )
+            # The memory push reuses DCP's staged copy (async) or the live state, which the
+            # training thread does not touch until a synchronous save has finished.
+            stager = RecordingStager() if self.memory is not None and self.config.async_save else None
             if self.config.async_save:
                 upload = dcp.async_save(
-                    state, storage_writer=writer, process_group=self.group, no_dist=not dist.is_initialized()
+                    state, storage_writer=writer, process_group=self.group, no_dist=not dist.is_initialized(),
+                    async_stager=stager,
                 )
                 if not isinstance(upload, Future):  # AsyncSaveResponse (only with async stagers)
                     upload.staging_completion.result()
@@ -322,7 +335,10 @@ class CheckpointManager:
         self.events.emit("checkpoint.staged", step=step, blocking_s=round(blocking_s, 6))
         if self._finalizer is None:
             self._finalizer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-finalize")
-        self._inflight = self._finalizer.submit(self._finalize, step, upload, tmp, final, t0)
+        snapshot = None
+        if self.memory is not None:
+            snapshot = _Snapshot(token, blob, stager, None if stager is not None else state)
+        self._inflight = self._finalizer.submit(self._finalize, step, upload, tmp, final, t0, token, snapshot)
         if not self.config.async_save:
             self.wait()
         return final
@@ -358,14 +374,26 @@ class CheckpointManager:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    def _finalize(self, step: int, upload: Future, tmp: Path, final: Path, t0: float) -> None:
+    def _finalize(
+        self, step: int, upload: Future, tmp: Path, final: Path, t0: float, token: str, snapshot: _Snapshot | None
+    ) -> None:
         """Background: wait for DCP's upload, then (rank 0) commit, publish, retain."""
+        try:
+            self._finalize_inner(step, upload, tmp, final, t0, token, snapshot)
+        finally:
+            if snapshot is not None and snapshot.stager is not None:
+                snapshot.stager.close()
+
+    def _finalize_inner(
+        self, step: int, upload: Future, tmp: Path, final: Path, t0: float, token: str, snapshot: _Snapshot | None
+    ) -> None:
         try:
             upload.result()
             if self._rank != 0:
                 self.events.emit("checkpoint.persisted", step=step, persist_s=round(time.monotonic() - t0, 6))
+                self._push_memory(step, snapshot)
                 return
-            nbytes = self._commit(tmp, final, step)
+            nbytes = self._commit(tmp, final, step, token)
         except _FAILURES as exc:
             self._record_failure(step, tmp, exc, phase="persist")
             return
@@ -374,6 +402,7 @@ class CheckpointManager:
             "checkpoint.committed", step=step, path=str(final), persist_s=round(time.monotonic() - t0, 6), bytes=nbytes
         )
         log.info("checkpoint step %d committed (%d bytes) at %s", step, nbytes, final)
+        self._push_memory(step, snapshot)
         if self.publisher is not None:
             try:
                 self.publisher(step, str(final))
@@ -383,6 +412,13 @@ class CheckpointManager:
                 self.events.emit("checkpoint.publish_failed", step=step, **_error_fields(exc))
         self._retain(protect=step)
 
+    def _push_memory(self, step: int, snapshot: _Snapshot | None) -> None:
+        """Hand this rank's saved state to the agent's cache (tagged with the save's token)."""
+        if self.memory is None or snapshot is None:
+            return
+        tree = snapshot.stager.staged if snapshot.stager is not None else as_state_dicts(snapshot.live or {})
+        self.memory.push(step, snapshot.token, tree, snapshot.extra)
+
     def _record_failure(self, step: int, tmp: Path, exc: BaseException, phase: str) -> None:
         self.last_error = exc
         fields = _error_fields(exc)
@@ -391,7 +427,7 @@ class CheckpointManager:
         if self._rank == 0:  # rank 0 owns the directory; peers are done with it (DCP failed everywhere)
             self.storage.remove_tree(tmp)
 
-    def _commit(self, tmp: Path, final: Path, step: int) -> int:
+    def _commit(self, tmp: Path, final: Path, step: int, token: str) -> int:
         manifest = read_manifest(tmp)
         files: dict[str, dict[str, Any]] = {}
         for name, info in manifest["files"].items():
@@ -402,6 +438,7 @@ class CheckpointManager:
         files[MANIFEST_FILE] = {"sha256": sha256_file(tmp / MANIFEST_FILE), "bytes": (tmp / MANIFEST_FILE).stat().st_size}
         marker = {
             "step": step,
+            "id": token,
             "world_size": manifest["world_size"],
             "fingerprint": self.fingerprint,
             "ts": time.time(),
@@ -460,6 +497,24 @@ class CheckpointManager:
                 raise CheckpointCorrupt(f"{path.name}: checksum mismatch in {name}")
         return marker
 
+    def _newest_commit(self) -> tuple[int, str] | None:
+        """Rank 0: (step, id) of the newest COMMIT marker of this run, read but not hashed.
+
+        The memory fast path needs only the proof that the cached save was committed;
+        the bytes it loads carry their own sha256.
+        """
+        for step in reversed(self.committed_steps()):
+            try:
+                marker = json.loads((self.root / step_dir_name(step) / COMMIT_FILE).read_text(encoding="utf-8"))
+            except (OSError, ValueError):
+                continue
+            if not isinstance(marker, dict) or marker.get("step") != step:
+                continue
+            if self.fingerprint and marker.get("fingerprint") != self.fingerprint:
+                continue
+            return step, str(marker.get("id", ""))
+        return None
+
     def _pick(self, rejected: set[int]) -> int | None:
         """Rank 0: newest committed step that verifies, reporting each one skipped."""
         for step in reversed(self.committed_steps()):
@@ -487,6 +542,19 @@ class CheckpointManager:
         next older one (``state`` is then overwritten again by that load).
         """
         self.wait()
+        memory_s = 0.0
+        if self.memory is not None:
+            t0 = time.monotonic()
+            newest = _broadcast_obj(self._newest_commit() if self._rank == 0 else None, self.group)
+            got = self.memory.try_load(state, *newest) if newest is not None else None
+            memory_s = time.monotonic() - t0
+            if got is not None:
+                step, extra, fields = got
+                self.events.emit("checkpoint.loaded", step=step, path=str(self.root / step_dir_name(step)),
+                                 saved_world_size=_world(), world_size=_world(), extra_found=True, loaded_from="memory",
+                                 load_s=round(memory_s, 6), **fields)
+                return step, extra
+        t_disk = time.monotonic()
         rejected: set[int] = set()
         while True:
             chosen = self._pick(rejected) if self._rank == 0 else None
@@ -513,13 +581,24 @@ class CheckpointManager:
                 marker_world = read_manifest(path)["world_size"]
                 self.events.emit(
                     "checkpoint.loaded", step=chosen, path=str(path), saved_world_size=marker_world,
-                    world_size=_world(), extra_found=found,
+                    world_size=_world(), extra_found=found, loaded_from="disk",
+                    load_s=round(time.monotonic() - t_disk, 6), memory_tried_s=round(memory_s, 6),
                 )
                 return chosen, extra
             reason = f"load failed: {_error_fields(error)['error']}" if error else "load failed on another rank"
             if error is not None or self._rank == 0:
                 self._report_skipped(chosen, reason)
             rejected.add(chosen)
+
+
+@dataclass(frozen=True)
+class _Snapshot:
+    """What the memory push of one save needs: its token, extra blob and staged (or live) state."""
+
+    token: str
+    extra: bytes
+    stager: RecordingStager | None
+    live: dict[str, Any] | None
 
 
 def _fsync_dir(path: Path) -> None:

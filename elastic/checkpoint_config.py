@@ -2,9 +2,28 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from elastic.config import ConfigError
+
+
+@dataclass(kw_only=True)
+class MemoryCacheConfig:
+    """The in-memory fast path (:mod:`elastic.memstate`): the node agent keeps each local rank's
+    newest checkpointed state in RAM, so a worker restarted on a surviving node loads from there."""
+
+    enabled: bool = False
+    """Push every saved state to the agent's cache and try it first on load (disk stays the source of truth)."""
+    max_mib: int = 16384
+    """Most memory the agent's cache may hold for all its local ranks together; a bigger push is refused."""
+    timeout_s: float = 60.0
+    """Socket timeout for one push or fetch between a worker and its agent."""
+
+    def __post_init__(self) -> None:
+        if self.max_mib < 1:
+            raise ConfigError("max_mib", "must be >= 1")
+        if not self.timeout_s > 0:
+            raise ConfigError("timeout_s", "must be > 0")
 
 
 @dataclass(kw_only=True)
@@ -23,6 +42,8 @@ class CheckpointConfig:
     """Niceness added to the background writer thread (0-19), so persisting yields CPU to training
     (measured: step time during persist 2.2-2.9x baseline at 0, 1.3x at 10; bench_checkpoint.py).
     On a host shared with unrelated work a high value makes saves slower; 0 disables it."""
+    memory: MemoryCacheConfig = field(default_factory=MemoryCacheConfig)
+    """In-memory copy of the newest checkpoint held by the node agent (fast restart on a surviving node)."""
 
     def __post_init__(self) -> None:
         if self.interval_steps < 0:

@@ -1,0 +1,352 @@
+"""The node agent's in-memory checkpoint cache and its loopback protocol (no torch here).
+
+After each save a worker pushes its rank's state (the serialized bytes of
+exactly what the checkpoint wrote, see :mod:`elastic.checkpoint_memory`) to
+its node agent; the agent keeps the newest entry per local slot (the worker's
+``LOCAL_RANK``).  A worker restarted on the same node asks for its slot's
+entry before reading the disk.  The cache is an accelerator, never a source of
+truth: an entry is used only when it names the newest *committed* checkpoint
+on disk (same step and same checkpoint id as that step's COMMIT marker), the
+run's config fingerprint and the current world size; otherwise the loader
+falls back to disk.
+
+Why the agent: it survives its workers (a killed or crashed worker, a restart
+caused by a peer), costs no extra process, and dies with the node, which is
+when the entry would be useless anyway.
+
+Transport: TCP on 127.0.0.1 only (the port and a random token reach the
+workers in ``ELASTIC_MEMSTATE_ADDR`` / ``ELASTIC_MEMSTATE_TOKEN``).  One
+request per connection: a JSON header line, then ``nbytes`` raw bytes for a
+put; the reply is a JSON header line, then the entry's bytes for a get.
+Integrity: every entry carries the sha256 of its bytes; the server checks it
+when the bytes arrive (a torn or altered upload is refused) and the client
+checks it again on every fetch (memory that changed at rest is refused).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import secrets
+import socket
+import socketserver
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from elastic.events import EventLog
+
+log = logging.getLogger(__name__)
+
+MEMSTATE_ADDR_ENV = "ELASTIC_MEMSTATE_ADDR"
+MEMSTATE_TOKEN_ENV = "ELASTIC_MEMSTATE_TOKEN"
+_MAX_HEADER = 64 * 1024
+_CHUNK = 4 << 20
+
+
+class MemStateError(RuntimeError):
+    """Base class for in-memory cache failures (the caller then uses the disk)."""
+
+
+class MemStateUnavailable(MemStateError):
+    """The agent's cache could not be reached or stopped answering."""
+
+
+class MemStateRejected(MemStateError):
+    """The cache refused a request (stale push, too large, bad token, corrupt upload)."""
+
+
+class MemStateCorrupt(MemStateError):
+    """An entry's bytes do not match its sha256."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class EntryMeta:
+    """What an entry is: enough to decide, without its bytes, whether a load may use it."""
+
+    slot: int
+    """The worker's LOCAL_RANK on this node (the cache key)."""
+    rank: int
+    """The global rank that saved it (its shard of the state)."""
+    world_size: int
+    step: int
+    checkpoint_id: str
+    """The save's token, also written to the step's COMMIT marker: the same step number saved twice
+    (after a rollback) is two different checkpoints."""
+    fingerprint: str
+    epoch: int
+    """The run epoch of the saving worker: a late push from an older epoch never replaces a newer entry."""
+    sha256: str
+    nbytes: int
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> EntryMeta:
+        names = {f.name for f in dataclasses.fields(cls)}
+        missing = names - set(data)
+        if missing:
+            raise ValueError(f"entry metadata lacks {sorted(missing)}")
+        return cls(**{k: data[k] for k in names})
+
+
+def reject_reason(
+    meta: EntryMeta, *, step: int, checkpoint_id: str, fingerprint: str, world_size: int, slot: int
+) -> str | None:
+    """Why ``meta`` must not be loaded as committed checkpoint (step, checkpoint_id), or None if it may."""
+    if meta.slot != slot:
+        return f"entry is for slot {meta.slot}, not {slot}"
+    if fingerprint and meta.fingerprint != fingerprint:
+        return "fingerprint mismatch (saved by a different run config)"
+    if meta.world_size != world_size:
+        return f"saved by world size {meta.world_size}, now {world_size}"
+    if meta.step != step:
+        return f"entry is for step {meta.step}, newest committed is {step}"
+    if not checkpoint_id or meta.checkpoint_id != checkpoint_id:
+        return f"entry is checkpoint {meta.checkpoint_id!r}, step {step} on disk is {checkpoint_id or 'unnamed'!r}"
+    return None
+
+
+Chunk = bytes | bytearray | memoryview
+
+
+def sha256_bytes(data: Chunk) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def sha256_chunks(chunks: list[Chunk]) -> tuple[str, int]:
+    """(sha256, total bytes) of the concatenation of ``chunks``."""
+    digest = hashlib.sha256()
+    total = 0
+    for chunk in chunks:
+        digest.update(chunk)
+        total += memoryview(chunk).nbytes
+    return digest.hexdigest(), total
+
+
+def _read_line(sock: socket.socket) -> dict[str, Any]:
+    buf = bytearray()
+    while not buf.endswith(b"\n"):
+        chunk = sock.recv(1)  # headers are short; reading byte-wise keeps the body untouched
+        if not chunk:
+            raise ConnectionError("connection closed before the header ended")
+        buf += chunk
+        if len(buf) > _MAX_HEADER:
+            raise ValueError("header too long")
+    return json.loads(buf)
+
+
+def _read_exact(sock: socket.socket, nbytes: int) -> bytearray:
+    data = bytearray(nbytes)
+    view = memoryview(data)
+    got = 0
+    while got < nbytes:
+        n = sock.recv_into(view[got:], min(_CHUNK, nbytes - got))
+        if n == 0:
+            raise ConnectionError(f"connection closed after {got} of {nbytes} bytes")
+        got += n
+    return data
+
+
+def _send(sock: socket.socket, header: dict[str, Any], *body: Chunk) -> None:
+    sock.sendall(json.dumps(header).encode() + b"\n")
+    for chunk in body:
+        sock.sendall(chunk)
+
+
+class MemStateCache:
+    """The entries and their rules (thread-safe); the server is a thin shell around it."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self._entries: dict[int, tuple[EntryMeta, bytearray]] = {}
+        self._lock = threading.Lock()
+
+    def put(self, meta: EntryMeta, data: bytearray) -> None:
+        """Store ``data`` as the slot's entry, replacing an older one; raises MemStateRejected."""
+        if len(data) != meta.nbytes:
+            raise MemStateRejected(f"got {len(data)} bytes, header says {meta.nbytes}")
+        if sha256_bytes(data) != meta.sha256:
+            raise MemStateRejected("sha256 of the uploaded bytes does not match the header (corrupt upload)")
+        with self._lock:
+            current = self._entries.get(meta.slot)
+            if current is not None and (meta.epoch, meta.step) < (current[0].epoch, current[0].step):
+                raise MemStateRejected(
+                    f"stale push: step {meta.step} of epoch {meta.epoch} is older than the cached "
+                    f"step {current[0].step} of epoch {current[0].epoch}"
+                )
+            others = sum(m.nbytes for s, (m, _) in self._entries.items() if s != meta.slot)
+            if others + meta.nbytes > self.max_bytes:
+                raise MemStateRejected(
+                    f"entry of {meta.nbytes} bytes does not fit (cache limit {self.max_bytes}, {others} held by other slots)"
+                )
+            self._entries[meta.slot] = (meta, data)
+
+    def get(self, slot: int) -> tuple[EntryMeta, bytearray] | None:
+        with self._lock:
+            return self._entries.get(slot)
+
+    def drop(self, slot: int) -> bool:
+        with self._lock:
+            return self._entries.pop(slot, None) is not None
+
+    def metas(self) -> list[EntryMeta]:
+        with self._lock:
+            return [meta for meta, _ in self._entries.values()]
+
+    def held_bytes(self) -> int:
+        return sum(meta.nbytes for meta in self.metas())
+
+
+class _Handler(socketserver.BaseRequestHandler):
+    server: _TCPServer
+
+    def handle(self) -> None:
+        sock: socket.socket = self.request
+        sock.settimeout(self.server.io_timeout_s)
+        owner = self.server.owner
+        try:
+            header = _read_line(sock)
+            if not secrets.compare_digest(str(header.get("token", "")), owner.token):
+                _send(sock, {"ok": False, "error": "bad token"})
+                return
+            owner.dispatch(sock, header)
+        except (OSError, ValueError, KeyError, TypeError, ConnectionError) as exc:
+            owner.events.emit("memstate.request_failed", error=f"{type(exc).__name__}: {exc}"[:500])
+
+
+class _TCPServer(socketserver.ThreadingTCPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+    owner: MemStateServer
+    io_timeout_s: float
+
+
+class MemStateServer:
+    """The agent side: a loopback TCP server in front of one :class:`MemStateCache`."""
+
+    def __init__(self, max_bytes: int, events: EventLog | None = None, io_timeout_s: float = 60.0) -> None:
+        self.cache = MemStateCache(max_bytes)
+        self.events = events or EventLog(None, "memstate")
+        self.token = secrets.token_hex(16)
+        self._server = _TCPServer(("127.0.0.1", 0), _Handler)
+        self._server.owner = self
+        self._server.io_timeout_s = io_timeout_s
+        # A short poll interval only bounds how long close() waits for the serving thread.
+        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.1},
+                                        name="memstate", daemon=True)
+        self._thread.start()
+        self.events.emit("memstate.started", addr=self.addr, max_bytes=max_bytes)
+
+    @property
+    def addr(self) -> str:
+        host, port = self._server.server_address[:2]
+        return f"{host}:{port}"
+
+    def worker_env(self) -> dict[str, str]:
+        return {MEMSTATE_ADDR_ENV: self.addr, MEMSTATE_TOKEN_ENV: self.token}
+
+    def dispatch(self, sock: socket.socket, header: dict[str, Any]) -> None:
+        op = header.get("op")
+        if op == "put":
+            self._put(sock, header)
+        elif op == "get":
+            entry = self.cache.get(int(header["slot"]))
+            if entry is None:
+                _send(sock, {"ok": False, "error": "empty", "miss": True})
+                return
+            meta, data = entry
+            _send(sock, {"ok": True, "meta": meta.to_json()}, data)
+        elif op == "drop":
+            _send(sock, {"ok": True, "dropped": self.cache.drop(int(header["slot"]))})
+        else:
+            _send(sock, {"ok": False, "error": f"unknown op {op!r}"})
+
+    def _put(self, sock: socket.socket, header: dict[str, Any]) -> None:
+        meta = EntryMeta.from_json(header["meta"])
+        if meta.nbytes > self.cache.max_bytes:  # refuse before reading what cannot be kept
+            _send(sock, {"ok": False, "error": f"entry of {meta.nbytes} bytes exceeds the cache limit "
+                                              f"{self.cache.max_bytes}"})
+            return
+        t0 = time.monotonic()
+        data = _read_exact(sock, meta.nbytes)
+        try:
+            self.cache.put(meta, data)
+        except MemStateRejected as exc:
+            self.events.emit("memstate.put_rejected", slot=meta.slot, step=meta.step, error=str(exc))
+            _send(sock, {"ok": False, "error": str(exc)})
+            return
+        self.events.emit("memstate.put", slot=meta.slot, rank=meta.rank, step=meta.step, bytes=meta.nbytes,
+                         recv_s=round(time.monotonic() - t0, 6), held_bytes=self.cache.held_bytes())
+        _send(sock, {"ok": True})
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=5)
+
+
+class MemStateClient:
+    """The worker side: push and fetch one slot's entry."""
+
+    def __init__(self, addr: str, token: str, timeout_s: float = 60.0) -> None:
+        host, _, port = addr.rpartition(":")
+        if host not in ("127.0.0.1", "localhost"):
+            raise ValueError(f"{MEMSTATE_ADDR_ENV}: the cache is loopback-only, got host {host!r}")
+        self.addr = ("127.0.0.1", int(port))
+        self.token = token
+        self.timeout_s = timeout_s
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str], timeout_s: float = 60.0) -> MemStateClient | None:
+        addr = environ.get(MEMSTATE_ADDR_ENV, "").strip()
+        if not addr:
+            return None
+        return cls(addr, environ.get(MEMSTATE_TOKEN_ENV, ""), timeout_s)
+
+    def _connect(self) -> socket.socket:
+        try:
+            return socket.create_connection(self.addr, timeout=self.timeout_s)
+        except OSError as exc:
+            raise MemStateUnavailable(f"cannot reach the agent's cache at {self.addr[0]}:{self.addr[1]}: {exc}") from exc
+
+    def put(self, meta: EntryMeta, *chunks: Chunk) -> None:
+        """Store the concatenation of ``chunks`` (sent as they are: no joined copy) as the slot's entry."""
+        with self._connect() as sock:
+            try:
+                _send(sock, {"op": "put", "token": self.token, "meta": meta.to_json()}, *chunks)
+                reply = _read_line(sock)
+            except (OSError, ValueError, ConnectionError) as exc:
+                raise MemStateUnavailable(f"push failed: {exc}") from exc
+        if not reply.get("ok"):
+            raise MemStateRejected(str(reply.get("error")))
+
+    def get(self, slot: int) -> tuple[EntryMeta, bytearray] | None:
+        """The slot's entry (its sha256 verified), or None when the slot is empty."""
+        with self._connect() as sock:
+            try:
+                _send(sock, {"op": "get", "token": self.token, "slot": slot})
+                reply = _read_line(sock)
+                if not reply.get("ok"):
+                    if reply.get("miss"):
+                        return None
+                    raise MemStateRejected(str(reply.get("error")))
+                meta = EntryMeta.from_json(reply["meta"])
+                data = _read_exact(sock, meta.nbytes)
+            except (OSError, ValueError, ConnectionError) as exc:
+                raise MemStateUnavailable(f"fetch failed: {exc}") from exc
+        if sha256_bytes(data) != meta.sha256:
+            raise MemStateCorrupt(f"slot {slot}: cached bytes do not match their sha256")
+        return meta, data
+
+    def drop(self, slot: int) -> bool:
+        with self._connect() as sock:
+            try:
+                _send(sock, {"op": "drop", "token": self.token, "slot": slot})
+                return bool(_read_line(sock).get("dropped"))
+            except (OSError, ValueError, ConnectionError) as exc:
+                raise MemStateUnavailable(f"drop failed: {exc}") from exc
