@@ -19,6 +19,9 @@ from pathlib import Path
 
 import pytest
 
+# torchft ships x86_64 wheels only (pyproject installs it there); elsewhere this mode is not available.
+pytest.importorskip("torchft")
+
 from elastic.agent import NodeAgent, NodeSpec
 from elastic.agent_config import AgentConfig, RendezvousConfig
 from elastic.config import ConfigError, override
