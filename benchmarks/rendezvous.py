@@ -54,13 +54,19 @@ BACKENDS = ("etcd3", "c10d")
 def _timings(profile: str) -> dict[str, str]:
     """Rendezvous settings for both backends: ``project`` = what elastic-launch passes to torchrun
     (``RendezvousConfig`` defaults: 1 s keep-alive, 5 s heartbeat timeout, tuned for small local runs);
-    ``torch`` = torch's own DynamicRendezvousHandler defaults (5 s keep-alive, 30 s heartbeat timeout)."""
+    ``torch`` = torch's own DynamicRendezvousHandler defaults (5 s keep-alive, 30 s heartbeat timeout);
+    ``large`` = torch's defaults with the keep-alive stretched to 30 s and the heartbeat timeout to
+    120 s: every keep-alive is a write of the one shared state key, so fewer of them leave room
+    for the joins at a few hundred participants."""
     from elastic.agent_config import RendezvousConfig
 
     if profile == "project":
         return dict(item.split("=", 1) for item in RendezvousConfig().torchrun_conf().split(","))
-    return {"join_timeout": "600", "last_call_timeout": "30", "close_timeout": "30", "heartbeat_timeout": "30",
-            "keep_alive_interval": "5"}
+    torch_defaults = {"join_timeout": "600", "last_call_timeout": "30", "close_timeout": "30",
+                      "heartbeat_timeout": "30", "keep_alive_interval": "5"}
+    if profile == "large":
+        return {**torch_defaults, "heartbeat_timeout": "120", "keep_alive_interval": "30"}
+    return torch_defaults
 
 
 # -- participant process ------------------------------------------------------------
@@ -174,7 +180,7 @@ def main() -> int:
     parser.add_argument("--procs", type=int, default=4, help="participant processes per rendezvous")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds allowed per rendezvous")
     parser.add_argument("--backends", default=",".join(BACKENDS))
-    parser.add_argument("--timings", choices=("torch", "project"), default="torch",
+    parser.add_argument("--timings", choices=("torch", "project", "large"), default="torch",
                         help="rendezvous keep-alive/heartbeat settings used by both backends (see _timings)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--backend", help=argparse.SUPPRESS)
