@@ -22,7 +22,6 @@ floating-point reduction order.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -53,6 +52,7 @@ from trainer.flow import flow_loss, interpolate, per_sample_noise, velocity_targ
 from trainer.fp8 import convert_to_fp8, fp8_stats
 from trainer.numerics import NumericsGuard
 from trainer.parallel import parallelize
+from trainer.entry import EXIT_CONFIG, parse_trainer_args, read_trainer_config
 from trainer.tensorboard import ScalarLog, TensorBoardConfig
 
 RESOLVED_CONFIG_NAME = "dit_trainer.yaml"
@@ -316,21 +316,12 @@ def train(cfg_file: DiTTrainerFile, run_dir: Path) -> str:
     return checksum
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m trainer.dit_train")
-    parser.add_argument("--config", required=True, help="resolved run config (YAML)")
-    parser.add_argument("--run-dir", required=True, help="run directory (events, checkpoints, results)")
-    return parser.parse_args(argv)
-
-
 @record
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    try:
-        cfg_file = load_trainer_config(args.config)
-    except (ConfigError, OSError, yaml.YAMLError) as exc:
-        print(f"trainer: config error: {exc}", file=sys.stderr)
-        return 2
+    args = parse_trainer_args("python -m trainer.dit_train", argv)
+    cfg_file = read_trainer_config(load_trainer_config, args.config)
+    if cfg_file is None:
+        return EXIT_CONFIG
     try:
         train(cfg_file, Path(args.run_dir))
     except NumericsRollback as exc:

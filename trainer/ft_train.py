@@ -25,7 +25,6 @@ and ``quorum_id``; only committed steps count.  At the end each group prints
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -42,13 +41,14 @@ import yaml
 from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from elastic.config import ConfigError, from_dict
+from elastic.config import from_dict
 from elastic.events import EventLog
 from elastic.replica_config import ReplicaConfig
 from elastic.replicas import FINISHED_KEY
 from elastic.store import EtcdStore, StoreError
 from elastic.worker import ETCD_ENDPOINT_ENV, RUN_PREFIX_ENV, WorkerContext, pg_timeout
 from trainer.checksum import param_checksum, publish_checksum
+from trainer.entry import EXIT_CONFIG, parse_trainer_args, read_trainer_config
 from trainer.minimal_config import MLPTrainerConfig
 from trainer.train import batch_for, build_model, shard_model
 
@@ -234,21 +234,12 @@ def train(cfg_file: _FTTrainerFile, run_dir: Path) -> str | None:
     return checksum
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m trainer.ft_train")
-    parser.add_argument("--config", required=True, help="resolved run config (YAML)")
-    parser.add_argument("--run-dir", required=True, help="run directory (events, results)")
-    return parser.parse_args(argv)
-
-
 @record
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    try:
-        cfg_file = load_trainer_config(args.config)
-    except (ConfigError, OSError, yaml.YAMLError) as exc:
-        print(f"trainer: config error: {exc}", file=sys.stderr)
-        return 2
+    args = parse_trainer_args("python -m trainer.ft_train", argv)
+    cfg_file = read_trainer_config(load_trainer_config, args.config)
+    if cfg_file is None:
+        return EXIT_CONFIG
     train(cfg_file, Path(args.run_dir))
     # Everything is written (events flush per line).  torchft 0.2.0's native teardown at
     # interpreter exit then takes 8-13 s (measured on 2 loaded cores), so skip it.

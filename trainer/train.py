@@ -15,7 +15,6 @@ checksum is printed (``FINAL_CHECKSUM <sha256>``) and written to
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -34,7 +33,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.fsdp import fully_shard
 
 from elastic.checkpoint import CheckpointConfig, CheckpointManager
-from elastic.config import ConfigError, from_dict
+from elastic.config import from_dict
 from elastic.events import EventLog
 from elastic.checkpoint_publish import publisher_from_env
 from elastic.checkpoint_storage import FAIL_WRITE_ENV
@@ -42,6 +41,7 @@ from elastic.faults import FaultHooks
 from trainer.checksum import param_checksum, publish_checksum
 from elastic.worker import EXIT_NUMERICS, WorkerContext, pg_timeout, skip_steps
 from trainer.minimal_config import MLPTrainerConfig
+from trainer.entry import EXIT_CONFIG, parse_trainer_args, read_trainer_config
 from trainer.tensorboard import ScalarLog, TensorBoardConfig
 
 
@@ -195,21 +195,12 @@ def train(cfg_file: _TrainerFile, run_dir: Path) -> str:
     return checksum
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m trainer.train")
-    parser.add_argument("--config", required=True, help="resolved run config (YAML)")
-    parser.add_argument("--run-dir", required=True, help="run directory (events, checkpoints, results)")
-    return parser.parse_args(argv)
-
-
 @record
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    try:
-        cfg_file = load_trainer_config(args.config)
-    except (ConfigError, OSError, yaml.YAMLError) as exc:
-        print(f"trainer: config error: {exc}", file=sys.stderr)
-        return 2
+    args = parse_trainer_args("python -m trainer.train", argv)
+    cfg_file = read_trainer_config(load_trainer_config, args.config)
+    if cfg_file is None:
+        return EXIT_CONFIG
     train(cfg_file, Path(args.run_dir))
     return 0
 
