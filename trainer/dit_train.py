@@ -44,7 +44,7 @@ from elastic.checkpoint_publish import publisher_from_env
 from elastic.checkpoint_storage import FAIL_WRITE_ENV
 from elastic.faults import FaultHooks
 from trainer.checksum import param_checksum, publish_checksum
-from elastic.worker import EXIT_NUMERICS, WorkerContext, pg_timeout, skip_steps
+from elastic.worker import EXIT_NUMERICS, WorkerContext, skip_steps
 from trainer.data import GlobalSampler, build_dataset, collate
 from trainer.dit import DiT, build_dit
 from trainer.dit_config import DiTTrainerConfig
@@ -52,7 +52,7 @@ from trainer.flow import flow_loss, interpolate, per_sample_noise, velocity_targ
 from trainer.fp8 import convert_to_fp8, fp8_stats
 from trainer.numerics import NumericsGuard
 from trainer.parallel import parallelize
-from trainer.entry import EXIT_CONFIG, parse_trainer_args, read_trainer_config
+from trainer.entry import EXIT_CONFIG, init_worker_process, parse_trainer_args, read_trainer_config
 from trainer.tensorboard import ScalarLog, TensorBoardConfig
 
 RESOLVED_CONFIG_NAME = "dit_trainer.yaml"
@@ -189,13 +189,7 @@ def build_model(cfg: DiTTrainerConfig, device: torch.device) -> tuple[DiT, list[
 
 def train(cfg_file: DiTTrainerFile, run_dir: Path) -> str:
     cfg = cfg_file.trainer
-    use_cuda = torch.cuda.is_available()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if use_cuda else torch.device("cpu")
-    if use_cuda:
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=pg_timeout())
-    rank, world = dist.get_rank(), dist.get_world_size()
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    device, rank, world = init_worker_process()
     worker = WorkerContext.from_env(run_dir)
     events = EventLog(run_dir / "events" / f"trainer-rank{rank}.jsonl", f"trainer/rank{rank}")
     dp, cp = cfg.check_world(world)

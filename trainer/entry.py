@@ -1,4 +1,4 @@
-"""What every trainer entry point shares: its two flags and reading the resolved config file.
+"""What every trainer entry point shares: its flags, reading the resolved config, process setup.
 
 torchrun starts each trainer as ``python -m trainer.<name> --config FILE --run-dir DIR``; the
 launcher writes FILE (the resolved run config), so a bad file here is a launcher or operator
@@ -12,9 +12,14 @@ import sys
 from collections.abc import Callable
 from typing import TypeVar
 
+import os
+
+import torch
+import torch.distributed as dist
 import yaml
 
 from elastic.config import ConfigError
+from elastic.worker import pg_timeout
 
 EXIT_CONFIG = 2
 
@@ -36,3 +41,19 @@ def read_trainer_config(load: Callable[[str], T], path: str) -> T | None:
         # YAML parser errors span several lines (with a caret); one line is what logs grep for.
         print(f"trainer: config error: {' '.join(str(exc).split())}", file=sys.stderr)
         return None
+
+
+def init_worker_process() -> tuple[torch.device, int, int]:
+    """This worker's device (``cuda:LOCAL_RANK`` when CUDA is present), the default process group
+    (NCCL or gloo, with the agent's collective timeout) and torch's thread count.
+
+    Returns (device, rank, world size). The thread count is set explicitly because a resumed run
+    is only bitwise equal to an uninterrupted one with the same number of intra-op threads.
+    """
+    use_cuda = torch.cuda.is_available()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=pg_timeout())
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    return device, dist.get_rank(), dist.get_world_size()

@@ -46,9 +46,9 @@ from elastic.events import EventLog
 from elastic.replica_config import ReplicaConfig
 from elastic.replicas import FINISHED_KEY
 from elastic.store import EtcdStore, StoreError
-from elastic.worker import ETCD_ENDPOINT_ENV, RUN_PREFIX_ENV, WorkerContext, pg_timeout
+from elastic.worker import ETCD_ENDPOINT_ENV, RUN_PREFIX_ENV, WorkerContext
 from trainer.checksum import param_checksum, publish_checksum
-from trainer.entry import EXIT_CONFIG, parse_trainer_args, read_trainer_config
+from trainer.entry import EXIT_CONFIG, init_worker_process, parse_trainer_args, read_trainer_config
 from trainer.minimal_config import MLPTrainerConfig
 from trainer.train import batch_for, build_model, shard_model
 
@@ -156,15 +156,9 @@ def train(cfg_file: _FTTrainerFile, run_dir: Path) -> str | None:
     import torchft
 
     cfg = cfg_file.trainer
-    use_cuda = torch.cuda.is_available()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if use_cuda else torch.device("cpu")
-    if use_cuda:
-        torch.cuda.set_device(device)
     # The group's own process group (FSDP inside the group); its rank 0 also hosts the
     # TCPStore that torchft's Manager joins (it connects with is_master=False).
-    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=pg_timeout())
-    rank, world = dist.get_rank(), dist.get_world_size()
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    device, rank, world = init_worker_process()
     replica_id = os.environ.get("REPLICA_GROUP_ID", "rg0")
     worker = WorkerContext.from_env(run_dir)
     events = EventLog(run_dir / "events" / f"trainer-{replica_id}-rank{rank}.jsonl", f"trainer/{replica_id}/rank{rank}")

@@ -39,9 +39,9 @@ from elastic.checkpoint_publish import publisher_from_env
 from elastic.checkpoint_storage import FAIL_WRITE_ENV
 from elastic.faults import FaultHooks
 from trainer.checksum import param_checksum, publish_checksum
-from elastic.worker import EXIT_NUMERICS, WorkerContext, pg_timeout, skip_steps
+from elastic.worker import EXIT_NUMERICS, WorkerContext, skip_steps
 from trainer.minimal_config import MLPTrainerConfig
-from trainer.entry import EXIT_CONFIG, parse_trainer_args, read_trainer_config
+from trainer.entry import EXIT_CONFIG, init_worker_process, parse_trainer_args, read_trainer_config
 from trainer.tensorboard import ScalarLog, TensorBoardConfig
 
 
@@ -116,13 +116,7 @@ def _all_finite(loss: torch.Tensor) -> bool:
 
 def train(cfg_file: _TrainerFile, run_dir: Path) -> str:
     cfg = cfg_file.trainer
-    use_cuda = torch.cuda.is_available()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if use_cuda else torch.device("cpu")
-    if use_cuda:
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=pg_timeout())
-    rank, world = dist.get_rank(), dist.get_world_size()
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    device, rank, world = init_worker_process()
     worker = WorkerContext.from_env(run_dir)
     events = EventLog(run_dir / "events" / f"trainer-rank{rank}.jsonl", f"trainer/rank{rank}")
 
