@@ -82,6 +82,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from elastic.checkpoint_config import CheckpointConfig
+from elastic import collectives
 from elastic.checkpoint_memory import MemoryFastPath, RecordingStager, as_state_dicts
 from elastic.checkpoint_format import MANIFEST_FILE, SafetensorsShardReader, SafetensorsShardWriter, read_extra, read_manifest
 from elastic.checkpoint_publish import EtcdCheckpointPublisher, publisher_from_env
@@ -118,35 +119,6 @@ class CheckpointError(RuntimeError):
 
 class CheckpointCorrupt(CheckpointError):
     """A committed checkpoint failed verification (checksum, marker, fingerprint)."""
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _world() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
-
-
-def _barrier(group: dist.ProcessGroup | None) -> None:
-    if dist.is_initialized():
-        dist.barrier(group=group)
-
-
-def _broadcast_obj(obj: Any, group: dist.ProcessGroup | None) -> Any:
-    if not dist.is_initialized():
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
-    return box[0]
-
-
-def _all_true(flag: bool, group: dist.ProcessGroup | None) -> bool:
-    if not dist.is_initialized():
-        return flag
-    value = torch.tensor([1 if flag else 0], dtype=torch.int32)
-    dist.all_reduce(value, op=dist.ReduceOp.MIN, group=group)
-    return bool(value.item())
 
 
 def sha256_file(path: Path) -> str:
@@ -252,12 +224,12 @@ class CheckpointManager:
         self.storage: CheckpointStorage = storage or LocalStorage()
         self.last_error: BaseException | None = None
         self.last_committed: int | None = None
-        self._rank = _rank()
+        self._rank = collectives.rank()
         self.memory = MemoryFastPath.from_env(config.memory, fingerprint, self.events, self.group, memory_client)
         if self._rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
             self._remove_stale_tmp()
-        _barrier(self.group)
+        collectives.barrier(self.group)
 
     # -- discovery ---------------------------------------------------------
     def committed_steps(self) -> list[int]:
@@ -294,7 +266,7 @@ class CheckpointManager:
         self.wait()
         waited_s = time.monotonic() - t_enter
         final = self.root / step_dir_name(step)
-        token = _broadcast_obj(uuid.uuid4().hex[:8] if self._rank == 0 else None, self.group)
+        token = collectives.broadcast_object(uuid.uuid4().hex[:8] if self._rank == 0 else None, self.group)
         tmp = self.root / f".{final.name}.tmp-{token}"
         self.events.emit("checkpoint.save_start", step=step, path=str(tmp), waited_s=round(waited_s, 6))
         t0 = time.monotonic()
@@ -545,20 +517,21 @@ class CheckpointManager:
         memory_s = 0.0
         if self.memory is not None:
             t0 = time.monotonic()
-            newest = _broadcast_obj(self._newest_commit() if self._rank == 0 else None, self.group)
+            newest = collectives.broadcast_object(self._newest_commit() if self._rank == 0 else None, self.group)
             got = self.memory.try_load(state, *newest) if newest is not None else None
             memory_s = time.monotonic() - t0
             if got is not None:
                 step, extra, fields = got
+                world = collectives.world_size()  # a memory entry is only used at the world size it was saved at
                 self.events.emit("checkpoint.loaded", step=step, path=str(self.root / step_dir_name(step)),
-                                 saved_world_size=_world(), world_size=_world(), extra_found=True, loaded_from="memory",
+                                 saved_world_size=world, world_size=world, extra_found=True, loaded_from="memory",
                                  load_s=round(memory_s, 6), **fields)
                 return step, extra
         t_disk = time.monotonic()
         rejected: set[int] = set()
         while True:
             chosen = self._pick(rejected) if self._rank == 0 else None
-            chosen = _broadcast_obj(chosen, self.group)
+            chosen = collectives.broadcast_object(chosen, self.group)
             if chosen is None:
                 self.events.emit("checkpoint.none_loaded", rejected=sorted(rejected))
                 return None
@@ -577,11 +550,11 @@ class CheckpointManager:
                     extra = torch.load(io.BytesIO(blob), weights_only=False)
             except _FAILURES as exc:
                 error = exc
-            if _all_true(error is None, self.group):
+            if collectives.all_true(error is None, self.group):
                 marker_world = read_manifest(path)["world_size"]
                 self.events.emit(
                     "checkpoint.loaded", step=chosen, path=str(path), saved_world_size=marker_world,
-                    world_size=_world(), extra_found=found, loaded_from="disk",
+                    world_size=collectives.world_size(), extra_found=found, loaded_from="disk",
                     load_s=round(time.monotonic() - t_disk, 6), memory_tried_s=round(memory_s, 6),
                 )
                 return chosen, extra

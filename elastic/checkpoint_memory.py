@@ -44,6 +44,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
 from elastic.checkpoint_config import MemoryCacheConfig
+from elastic import collectives
 from elastic.events import EventLog
 from elastic.memstate import EntryMeta, MemStateClient, MemStateError, reject_reason, sha256_bytes, sha256_chunks
 
@@ -212,22 +213,6 @@ class _RankInfo:
     reason: str
 
 
-def _rank(group: dist.ProcessGroup | None) -> int:
-    return dist.get_rank(group) if dist.is_initialized() else 0
-
-
-def _world(group: dist.ProcessGroup | None) -> int:
-    return dist.get_world_size(group) if dist.is_initialized() else 1
-
-
-def _all_true(flag: bool, group: dist.ProcessGroup | None) -> bool:
-    if not dist.is_initialized():
-        return flag
-    value = torch.tensor([1 if flag else 0], dtype=torch.int32)
-    dist.all_reduce(value, op=dist.ReduceOp.MIN, group=group)
-    return bool(value.item())
-
-
 def _global(group: dist.ProcessGroup | None, group_rank: int) -> int:
     return dist.get_global_rank(group, group_rank) if group is not None else group_rank
 
@@ -274,7 +259,8 @@ class MemoryFastPath:
         try:
             chunks = encode_state(tree, extra)
             sha, nbytes = sha256_chunks(chunks)
-            meta = EntryMeta(slot=self.slot, rank=_rank(self.group), world_size=_world(self.group), step=step,
+            meta = EntryMeta(slot=self.slot, rank=collectives.rank(self.group),
+                             world_size=collectives.world_size(self.group), step=step,
                              checkpoint_id=checkpoint_id, fingerprint=self.fingerprint, epoch=self.epoch,
                              sha256=sha, nbytes=nbytes)
             self.client.put(meta, *chunks)
@@ -292,7 +278,7 @@ class MemoryFastPath:
 
         Returns (step, extra, event fields) or None (every rank then goes to disk).
         """
-        rank, world = _rank(self.group), _world(self.group)
+        rank, world = collectives.rank(self.group), collectives.world_size(self.group)
         t0 = time.monotonic()
         data, info = self._fetch(step, checkpoint_id, world)
         t_fetch = time.monotonic()
@@ -314,7 +300,7 @@ class MemoryFastPath:
             check_layout(targets, tree)
         except (MemoryLayoutMismatch, RuntimeError, OSError, KeyError, TypeError) as exc:
             error = f"{type(exc).__name__}: {exc}"[:500]
-        if not _all_true(not error, self.group):
+        if not collectives.all_true(not error, self.group):
             self._miss(step, error or "another rank's entry does not fit")
             return None
         t_apply = time.monotonic()
@@ -328,7 +314,7 @@ class MemoryFastPath:
             extra = torch.load(io.BytesIO(extra_blob), weights_only=False) if extra_blob else {}
         except (RuntimeError, OSError, ValueError, KeyError, TypeError) as exc:
             error = f"{type(exc).__name__}: {exc}"[:500]
-        if not _all_true(not error, self.group):
+        if not collectives.all_true(not error, self.group):
             # Some ranks may have written part of the state: the disk load that follows rewrites all of it.
             self._miss(step, error or "restore failed on another rank")
             return None
@@ -354,7 +340,7 @@ class MemoryFastPath:
     def _gather(self, info: _RankInfo) -> list[_RankInfo]:
         if not dist.is_initialized():
             return [info]
-        out: list[Any] = [None] * _world(self.group)
+        out: list[Any] = [None] * collectives.world_size(self.group)
         dist.all_gather_object(out, info, group=self.group)
         return out
 
