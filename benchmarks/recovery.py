@@ -42,11 +42,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from recovery_torchrun import env, make_config, wait_step
+from recovery_torchrun import env, make_config, run_c10d_nodes, wait_step
 
-from elastic.etcd_server import free_port
 from elastic.events import read_run_events
-from elastic.procs import descendants, terminate_tree
 
 REPLICA_OVERRIDES = {"launch.entrypoint": ["-m", "trainer.ft_train"], "replicas.enabled": True,
                      "replicas.heartbeat_timeout_ms": 1000, "replicas.join_timeout_ms": 500}
@@ -65,26 +63,12 @@ def _kill(run_dir: Path, args, procs: list[subprocess.Popen], source: str) -> tu
 def run_c10d(args, work: Path) -> dict:
     run_dir = work / "torchrun_c10d"
     config = make_config(args, run_dir, "bench-a")
-    port = free_port()
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={args.nodes}", "--nproc-per-node=1",
-           "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=bench-a",
-           "--rdzv-conf=last_call_timeout=1", "--max-restarts=3", "--monitor-interval=0.1",
-           "--local-addr=127.0.0.1", "-m", "trainer.train", "--config", str(config), "--run-dir", str(run_dir)]
     started = time.time()
-    with open(work / "torchrun_c10d.log", "wb") as log:
-        procs = [subprocess.Popen(cmd, env=env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-                 for _ in range(args.nodes)]
-    try:
-        kill_ts, victim = _kill(run_dir, args, procs, "trainer/rank1")
-        for p in procs:
-            p.wait(timeout=600)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                terminate_tree(p.pid, descendants(p.pid), grace=2)
+    (kill_ts, victim), rcs = run_c10d_nodes(args, "bench-a", config, run_dir, work / "torchrun_c10d.log",
+                                            lambda procs: _kill(run_dir, args, procs, "trainer/rank1"))
     out = measure(read_run_events(run_dir), kill_ts, victim, started, time.time(), reference="trainer/rank0",
                   nodes=args.nodes)
-    out["rc"] = [p.returncode for p in procs]
+    out["rc"] = rcs
     return out
 
 

@@ -26,7 +26,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -36,6 +38,8 @@ from elastic.events import read_run_events  # noqa: E402
 from elastic.procs import descendants, terminate_tree  # noqa: E402
 from launch.config import dump_config, load_config  # noqa: E402
 from elastic.config import override  # noqa: E402
+
+T = TypeVar("T")
 
 
 def make_config(args, run_dir: Path, run_id: str, extra: dict | None = None) -> Path:
@@ -115,28 +119,41 @@ def run_runtime(args, work: Path, trial: int) -> dict:
     return result
 
 
-def run_torchrun(args, work: Path, trial: int) -> dict:
-    run_dir = work / f"torchrun-{trial}"
-    config = make_config(args, run_dir, f"bench-tr-{trial}")
+def run_c10d_nodes(args, run_id: str, config: Path, run_dir: Path, log_path: Path,
+                   inject: Callable[[list[subprocess.Popen]], T]) -> tuple[T, list[int]]:
+    """The baseline: one plain ``torchrun --rdzv-backend=c10d`` (its own restart loop) per node.
+
+    ``inject(procs)`` waits for the fault point and injects the fault; then every node is waited
+    for, and none is left behind if anything fails. Returns what ``inject`` returned and the
+    nodes' exit codes.
+    """
     port = free_port()
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={args.nodes}", "--nproc-per-node=1",
-           "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=bench-tr-{trial}",
+           "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={run_id}",
            "--rdzv-conf=last_call_timeout=1", "--max-restarts=3", "--monitor-interval=0.1",
            "--local-addr=127.0.0.1", "-m", "trainer.train", "--config", str(config), "--run-dir", str(run_dir)]
-    started = time.time()
-    log = open(work / f"torchrun-{trial}.log", "wb")
-    procs = [subprocess.Popen(cmd, env=env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-             for _ in range(args.nodes)]
+    with open(log_path, "wb") as log:
+        procs = [subprocess.Popen(cmd, env=env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                 for _ in range(args.nodes)]
     try:
-        kill_ts, pid = kill_worker(run_dir, args, procs)
+        injected = inject(procs)
         for p in procs:
             p.wait(timeout=600)
     finally:
         for p in procs:
             if p.poll() is None:
                 terminate_tree(p.pid, descendants(p.pid), grace=2)
+    return injected, [p.returncode for p in procs]
+
+
+def run_torchrun(args, work: Path, trial: int) -> dict:
+    run_dir = work / f"torchrun-{trial}"
+    config = make_config(args, run_dir, f"bench-tr-{trial}")
+    started = time.time()
+    (kill_ts, pid), rcs = run_c10d_nodes(args, f"bench-tr-{trial}", config, run_dir, work / f"torchrun-{trial}.log",
+                                         lambda procs: kill_worker(run_dir, args, procs))
     result = measure(run_dir, kill_ts, pid, started, time.time())
-    result["rc"] = [p.returncode for p in procs]
+    result["rc"] = rcs
     return result
 
 
