@@ -68,8 +68,8 @@ def _rank_main(args: argparse.Namespace) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from elastic.checkpoint import CheckpointConfig, CheckpointManager
-    from elastic.events import EventLog, read_events
+    from elastic.checkpoint.manager import CheckpointConfig, CheckpointManager
+    from elastic.common.events import EventLog, read_events
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     load_start = os.getloadavg()[0]
@@ -185,7 +185,7 @@ def _hf_probe(root: Path, model, optim, build, rank: int) -> dict:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
     from torch.distributed.tensor import DTensor
 
-    from elastic.checkpoint_format import SafetensorsShardReader, SafetensorsShardWriter
+    from elastic.checkpoint.format import SafetensorsShardReader, SafetensorsShardWriter
 
     def full(model_) -> dict:
         return {k: (v.full_tensor() if isinstance(v, DTensor) else v).clone() for k, v in get_model_state_dict(model_).items()}

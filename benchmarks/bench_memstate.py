@@ -3,7 +3,7 @@
     python benchmarks/bench_memstate.py [--world 2] [--mb 100] [--repeats 5] [--dir /tmp/bench-memstate]
 
 The parent process plays the node agents: it starts one
-:class:`~elastic.memstate.MemStateServer` per rank ("one node per rank") and
+:class:`~elastic.checkpoint.memstate.MemStateServer` per rank ("one node per rank") and
 ``--world`` rank processes.  Each rank builds an FSDP2 stack of 2048x2048
 linears (about ``--mb`` MB of fp32 parameters, ~3x that with AdamW state),
 takes one step and saves it once with the memory cache on, so the disk and
@@ -47,7 +47,7 @@ MODES = ("memory", "memory_swapped", "disk_warm", "disk_cold")
 
 
 def _launch(args: argparse.Namespace) -> int:
-    from elastic.memstate import MEMSTATE_ADDR_ENV, MEMSTATE_TOKEN_ENV, MemStateServer
+    from elastic.checkpoint.memstate import MEMSTATE_ADDR_ENV, MEMSTATE_TOKEN_ENV, MemStateServer
 
     servers = [MemStateServer(max_bytes=64 << 30) for _ in range(args.world)]
     with socket.socket() as sock:
@@ -90,10 +90,10 @@ def _rank_main(args: argparse.Namespace) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from elastic.checkpoint import CheckpointConfig, CheckpointManager
-    from elastic.checkpoint_config import MemoryCacheConfig
-    from elastic.events import EventLog, read_events
-    from elastic.memstate import MemStateClient
+    from elastic.checkpoint.manager import CheckpointConfig, CheckpointManager
+    from elastic.checkpoint.config import MemoryCacheConfig
+    from elastic.common.events import EventLog, read_events
+    from elastic.checkpoint.memstate import MemStateClient
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     dist.init_process_group("gloo", timeout=timedelta(seconds=600))

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from elastic.config import from_dict
+from elastic.common.config import from_dict
 from trainer.dit_config import DiTTrainerConfig
 
 CPU_MODEL = {"preset": "", "input_size": 16, "in_channels": 4, "patch_size": 2, "hidden_dim": 128, "depth": 4,

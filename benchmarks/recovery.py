@@ -44,7 +44,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 from recovery_torchrun import env, make_config, run_c10d_nodes, wait_step
 
-from elastic.events import read_run_events
+from elastic.common.events import read_run_events
 
 REPLICA_OVERRIDES = {"launch.entrypoint": ["-m", "trainer.ft_train"], "replicas.enabled": True,
                      "replicas.heartbeat_timeout_ms": 1000, "replicas.join_timeout_ms": 500}

@@ -33,11 +33,11 @@ from typing import TypeVar
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from elastic.etcd_server import free_port  # noqa: E402
-from elastic.events import read_run_events  # noqa: E402
-from elastic.procs import descendants, terminate_tree  # noqa: E402
+from elastic.control.etcd_server import free_port  # noqa: E402
+from elastic.common.events import read_run_events  # noqa: E402
+from elastic.common.procs import descendants, terminate_tree  # noqa: E402
 from launch.config import dump_config, load_config  # noqa: E402
-from elastic.config import override  # noqa: E402
+from elastic.common.config import override  # noqa: E402
 
 T = TypeVar("T")
 

@@ -4,7 +4,7 @@
 
 A "lightweight agent" is a participant that only runs the rendezvous: a
 torch ``DynamicRendezvousHandler`` created through torchrun's handler
-registry (``etcd3`` = :mod:`elastic.rendezvous`, ``c10d`` = torch's
+registry (``etcd3`` = :mod:`elastic.rendezvous.backend`, ``c10d`` = torch's
 TCPStore backend), calling ``next_rendezvous()`` once.  ``--procs`` OS
 processes each host ``size / procs`` handler threads, so 256 participants fit
 on a small host.  Per (backend, size, repeat) the parent
@@ -18,7 +18,7 @@ repeat counts only if every participant returned the same round, world size
 = size, and the ranks are exactly 0..size-1.  Each repeat uses a fresh run id.
 
 Servers, both on 127.0.0.1 and both outside the participant processes: an
-:class:`~elastic.etcd_server.EmbeddedEtcd` (etcd3) and a ``TCPStore`` hosted by
+:class:`~elastic.control.etcd_server.EmbeddedEtcd` (etcd3) and a ``TCPStore`` hosted by
 the parent (c10d, participants get ``is_host=False``).  Both backends use
 the same rendezvous timings (``--timings``: torch's handler defaults, or this
 project's ``RendezvousConfig`` defaults that elastic-launch passes to torchrun)
@@ -58,7 +58,7 @@ def _timings(profile: str) -> dict[str, str]:
     ``large`` = torch's defaults with the keep-alive stretched to 30 s and the heartbeat timeout to
     120 s: every keep-alive is a write of the one shared state key, so fewer of them leave room
     for the joins at a few hundred participants."""
-    from elastic.agent_config import RendezvousConfig
+    from elastic.agent.config import RendezvousConfig
 
     if profile == "project":
         return dict(item.split("=", 1) for item in RendezvousConfig().torchrun_conf().split(","))
@@ -194,7 +194,7 @@ def main() -> int:
 
     from torch.distributed import TCPStore
 
-    from elastic.etcd_server import EmbeddedEtcd, free_port
+    from elastic.control.etcd_server import EmbeddedEtcd, free_port
 
     sizes = [int(s) for s in args.sizes.split(",")]
     backends = [b for b in args.backends.split(",") if b]

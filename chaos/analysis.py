@@ -30,8 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from chaos.injectors import checkpoint_root
-from elastic.events import read_run_events
-from elastic.procs import alive
+from elastic.common.events import read_run_events
+from elastic.common.procs import alive
 
 DETECTION_KINDS = ("agent.hang_detected", "agent.rollback", "checkpoint.save_failed")
 

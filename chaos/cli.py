@@ -18,8 +18,8 @@ import math
 import sys
 from pathlib import Path
 
-from elastic.cli_errors import OneLineArgumentParser
-from elastic.config import ConfigError
+from elastic.common.cli_errors import OneLineArgumentParser
+from elastic.common.config import ConfigError
 
 
 def build_parser() -> argparse.ArgumentParser:

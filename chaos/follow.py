@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from elastic.procs import alive
+from elastic.common.procs import alive
 
 Event = dict[str, Any]
 

@@ -34,8 +34,8 @@ from typing import Any, Callable, ClassVar, Literal
 import yaml
 
 from chaos.follow import RunFollower, parse_target
-from elastic.faults import FAULTS_DIR, write_fault
-from elastic.procs import alive
+from elastic.worker.faults import FAULTS_DIR, write_fault
+from elastic.common.procs import alive
 
 REGISTRY: dict[str, type["Injector"]] = {}
 
@@ -279,7 +279,7 @@ class KillDuringCheckpoint(Injector):
                             checkpoint_step=saving["step"], save_start_ts=saving["ts"])
 
 
-# -- in-worker hooks (elastic.faults files) ---------------------------------------
+# -- in-worker hooks (elastic.worker.faults files) ---------------------------------------
 @dataclass(kw_only=True)
 class StraggleParams:
     delay_s: float = 0.3
@@ -371,7 +371,7 @@ class CorruptParams:
 
     def __post_init__(self) -> None:
         if self.num_bytes < 1:
-            from elastic.config import ConfigError
+            from elastic.common.config import ConfigError
 
             raise ConfigError("num_bytes", "must be >= 1")
 
@@ -439,7 +439,7 @@ class OutageParams:
 
     def __post_init__(self) -> None:
         if self.duration_s <= 0:
-            from elastic.config import ConfigError
+            from elastic.common.config import ConfigError
 
             raise ConfigError("duration_s", "must be > 0")
 

@@ -18,7 +18,7 @@ or a random one, expanded into such a list by a seeded generator::
       start_s: 5          # first fault no earlier than this
 
 The same seed and node list always give the same schedule.  Errors are
-:class:`~elastic.config.ConfigError` with one line naming the field, e.g.
+:class:`~elastic.common.config.ConfigError` with one line naming the field, e.g.
 ``faults[1].params.duration_s: expected a number, got str 'x'``.
 """
 
@@ -32,7 +32,7 @@ from typing import Any
 import yaml
 
 from chaos.injectors import REGISTRY, Injector
-from elastic.config import ConfigError, from_dict
+from elastic.common.config import ConfigError, from_dict
 
 _FAULT_KEYS = ("fault", "target", "at_step", "at_time_s", "params")
 _RANDOM_KEYS = ("mtbf_s", "seed", "faults", "protected", "max_faults", "start_s", "params")

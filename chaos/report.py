@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from elastic.events import read_run_events
+from elastic.common.events import read_run_events
 from launch.report import DETECTIONS, mark_faults, rank0_steps, run_start
 
 __all__ = ["DETECTIONS", "format_table", "plot_timeline", "write_json"]

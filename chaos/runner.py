@@ -27,9 +27,9 @@ from pathlib import Path
 from chaos.follow import RunFollower
 from chaos.injectors import InjectionContext, Injector, TargetNotFound
 from chaos.plan import FaultSpec
-from elastic.events import EventLog, read_run_events
-from elastic.faults import FAULTS_DIR
-from elastic.naming import run_prefix
+from elastic.common.events import EventLog, read_run_events
+from elastic.worker.faults import FAULTS_DIR
+from elastic.control.keys import run_prefix
 
 CHAOS_DIR = "chaos"
 
@@ -228,7 +228,7 @@ class ExclusionWatcher(threading.Thread):
 
     def __init__(self, endpoint: str, prefix: str, events: EventLog, interval_s: float = 1.0) -> None:
         super().__init__(daemon=True, name="chaos-exclusions")
-        from elastic.store import EtcdStore
+        from elastic.control.store import EtcdStore
 
         self.store = EtcdStore(endpoint, request_timeout=1.0, retry_deadline=1.0)
         self.prefix = f"{prefix}/excluded/"
@@ -238,7 +238,7 @@ class ExclusionWatcher(threading.Thread):
         self.seen: dict[str, str] = {}
 
     def run(self) -> None:
-        from elastic.store import StoreError
+        from elastic.control.store import StoreError
 
         while not self._halt.is_set():
             try:

@@ -50,7 +50,7 @@ class Scenario:
 
 def _spec(fault: str, target: str, at_step: int | None = None, at_time_s: float | None = None,
           **params: Any) -> FaultSpec:
-    from elastic.config import from_dict
+    from elastic.common.config import from_dict
 
     return FaultSpec(fault, target, at_step, at_time_s, from_dict(REGISTRY[fault].Params, params))
 

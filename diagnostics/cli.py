@@ -22,8 +22,8 @@ from pathlib import Path
 from diagnostics import checks as registry
 from diagnostics.readers import INJECT_ENV, InjectionError
 from diagnostics.thresholds import load_thresholds
-from elastic.config import ConfigError
-from elastic.store import parse_endpoint
+from elastic.common.config import ConfigError
+from elastic.control.store import parse_endpoint
 
 EXIT_PASS, EXIT_FAIL, EXIT_ERROR = 0, 1, 2
 

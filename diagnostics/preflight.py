@@ -72,7 +72,7 @@ def exclude_if_failed(report: Report, store: Any, run_prefix: str, node_id: str,
     """Record ``report`` under ``<run_prefix>/diag/<node_id>``; if it failed, exclude the node.
 
     The exclusion record at ``<run_prefix>/excluded/<node_id>`` has the format
-    :class:`elastic.agent.Exclusions` reads (``reason``, ``until``, ``by``,
+    :class:`elastic.agent.node.Exclusions` reads (``reason``, ``until``, ``by``,
     ``ts``) plus ``report`` (the summary).  ``until`` is ``ts + ttl_s``, or None
     (no expiry) when ``ttl_s`` is None or 0.  Returns True when the node was
     excluded.  Store errors propagate (the caller decides whether to fail open).

@@ -1,6 +1,6 @@
 """Pass / warn / fail thresholds for every check, with defaults per GPU model.
 
-Loaded from YAML through :func:`elastic.config.from_dict`, so an unknown key or a
+Loaded from YAML through :func:`elastic.common.config.from_dict`, so an unknown key or a
 value of the wrong type is rejected with the dotted path of the field
 (``gemm.fail_fraction: expected a number ...``).  Every field has a default;
 a thresholds file only lists what it changes (``examples/diag-thresholds.yaml``).
@@ -33,7 +33,7 @@ from typing import Any
 
 import yaml
 
-from elastic.config import ConfigError, from_dict
+from elastic.common.config import ConfigError, from_dict
 
 
 @dataclass(kw_only=True, slots=True)

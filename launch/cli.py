@@ -15,9 +15,9 @@ from pathlib import Path
 
 import yaml
 
-from elastic.cli_errors import OneLineArgumentParser
-from elastic.config import ConfigError, override
-from elastic.store import StoreError
+from elastic.common.cli_errors import OneLineArgumentParser
+from elastic.common.config import ConfigError, override
+from elastic.control.store import StoreError
 from launch.config import RunConfig, load_config
 from launch.security import add_security_flags, apply_security_flags, prepare_etcd_access
 
@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = resolve_config(args)
         if cfg.launch.etcd_endpoint:
-            from elastic.store import parse_endpoint
+            from elastic.control.store import parse_endpoint
 
             try:
                 parse_endpoint(cfg.launch.etcd_endpoint)

@@ -7,13 +7,13 @@ dotted field path.
 
     run:        {id, dir}
     launch:     {nodes: "N" | "MIN:MAX", nproc_per_node, etcd_endpoint, entrypoint}
-    agent:      elastic.agent.AgentConfig
-    rendezvous: elastic.agent.RendezvousConfig
-    checkpoint: elastic.checkpoint.CheckpointConfig
-    etcd:       elastic.etcd_security.EtcdClientConfig (TLS client cert, user; password by reference)
-    security:   elastic.admission.SecurityConfig (run token by reference, join check)
+    agent:      elastic.agent.node.AgentConfig
+    rendezvous: elastic.agent.node.RendezvousConfig
+    checkpoint: elastic.checkpoint.manager.CheckpointConfig
+    etcd:       elastic.control.etcd_security.EtcdClientConfig (TLS client cert, user; password by reference)
+    security:   elastic.control.admission.SecurityConfig (run token by reference, join check)
     trainer:    the trainer's own section (trainer.train.MLPTrainerConfig)
-    replicas:   elastic.replica_config.ReplicaConfig (torchft replica-group mode, off by default)
+    replicas:   elastic.replicas.config.ReplicaConfig (torchft replica-group mode, off by default)
 """
 
 from __future__ import annotations
@@ -25,13 +25,13 @@ from pathlib import Path
 
 import yaml
 
-from elastic.admission import SecurityConfig
-from elastic.agent_config import AgentConfig, RendezvousConfig
-from elastic.checkpoint_config import CheckpointConfig
-from elastic.config import ConfigError, from_dict, to_dict
-from elastic.etcd_security import EtcdClientConfig
-from elastic.fingerprint import config_hash
-from elastic.replica_config import ReplicaConfig, check_replica_launch
+from elastic.control.admission import SecurityConfig
+from elastic.agent.config import AgentConfig, RendezvousConfig
+from elastic.checkpoint.config import CheckpointConfig
+from elastic.common.config import ConfigError, from_dict, to_dict
+from elastic.control.etcd_security import EtcdClientConfig
+from elastic.common.fingerprint import config_hash
+from elastic.replicas.config import ReplicaConfig, check_replica_launch
 from trainer.dit_config import DiTTrainerConfig
 from trainer.minimal_config import MLPTrainerConfig
 from trainer.tensorboard import TensorBoardConfig

@@ -25,13 +25,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from elastic.agent import EXIT_EXCLUDED, Exclusions
-from elastic.etcd_server import EmbeddedEtcd
-from elastic.events import EventLog, read_run_events
-from elastic.goodput import compute_goodput, format_goodput
-from elastic.naming import run_prefix
-from elastic.store import EtcdStore, StoreError
-from elastic.procs import child_preexec, descendants, terminate_tree
+from elastic.agent.node import EXIT_EXCLUDED, Exclusions
+from elastic.control.etcd_server import EmbeddedEtcd
+from elastic.common.events import EventLog, read_run_events
+from elastic.run.goodput import compute_goodput, format_goodput
+from elastic.control.keys import run_prefix
+from elastic.control.store import EtcdStore, StoreError
+from elastic.common.procs import child_preexec, descendants, terminate_tree
 from launch.config import RunConfig, dump_config
 
 if TYPE_CHECKING:

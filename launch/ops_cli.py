@@ -12,8 +12,8 @@ import argparse
 import json
 import sys
 
-from elastic.naming import DEFAULT_KEY_PREFIX
-from elastic.store import EtcdStore, StoreError, parse_endpoint
+from elastic.control.keys import DEFAULT_KEY_PREFIX
+from elastic.control.store import EtcdStore, StoreError, parse_endpoint
 from launch.status import format_plain, list_runs, read_status, resolve_prefix
 
 

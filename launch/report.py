@@ -17,7 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from elastic.events import read_run_events
+from elastic.common.events import read_run_events
 
 DETECTIONS = ("agent.hang_detected", "agent.rollback", "checkpoint.save_failed")
 LOSS_PNG = "loss.png"

@@ -11,8 +11,8 @@ from __future__ import annotations
 import argparse
 import os
 
-from elastic.config import ConfigError, from_dict, to_dict
-from elastic.etcd_security import CA_ENV, CERT_ENV, KEY_ENV, PASSWORD_ENV, USER_ENV
+from elastic.common.config import ConfigError, from_dict, to_dict
+from elastic.control.etcd_security import CA_ENV, CERT_ENV, KEY_ENV, PASSWORD_ENV, USER_ENV
 from launch.config import RunConfig
 
 # flag -> dotted config field
@@ -74,7 +74,7 @@ def prepare_etcd_access(cfg: RunConfig) -> None:
         return
     security = cfg.etcd.resolve()
     os.environ.update(security.env())
-    from elastic.store import EtcdStore, StoreUnavailable
+    from elastic.control.store import EtcdStore, StoreUnavailable
 
     try:
         EtcdStore(cfg.launch.etcd_endpoint, request_timeout=3.0, retry_deadline=3.0, security=security).revision()

@@ -1,7 +1,7 @@
 """A running run's state as etcd holds it, for people (table) and tools (JSON).
 
-Keys read (all under ``<key_prefix>/runs/<run_id>``, see :mod:`elastic.agent`,
-:mod:`elastic.naming`, :mod:`elastic.checkpoint_publish`)::
+Keys read (all under ``<key_prefix>/runs/<run_id>``, see :mod:`elastic.agent.node`,
+:mod:`elastic.control.keys`, :mod:`elastic.checkpoint.publish`)::
 
     nodes/<node>        agent record (state, failures, host, metrics address), leased
     heartbeat/<node>    step, loss, step time, epoch (published every few seconds), leased
@@ -18,10 +18,10 @@ import json
 import time
 from typing import Any
 
-from elastic.agent import Exclusions
-from elastic.checkpoint_publish import read_latest
-from elastic.naming import run_prefix
-from elastic.store import KVStore, StoreError
+from elastic.agent.node import Exclusions
+from elastic.checkpoint.publish import read_latest
+from elastic.control.keys import run_prefix
+from elastic.control.store import KVStore, StoreError
 
 
 def _json(kv) -> dict[str, Any]:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from elastic.etcd_server import EmbeddedEtcd
+from elastic.control.etcd_server import EmbeddedEtcd
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

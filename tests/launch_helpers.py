@@ -12,8 +12,8 @@ from typing import Callable
 
 import yaml
 
-from elastic.events import read_run_events
-from elastic.procs import alive
+from elastic.common.events import read_run_events
+from elastic.common.procs import alive
 
 Event = dict
 

@@ -7,10 +7,10 @@ import subprocess
 import sys
 import time
 
-from elastic.agent import EXIT_EXCLUDED, Exclusions
-from elastic.events import read_run_events
-from elastic.naming import run_prefix
-from elastic.store import EtcdStore
+from elastic.agent.node import EXIT_EXCLUDED, Exclusions
+from elastic.common.events import read_run_events
+from elastic.control.keys import run_prefix
+from elastic.control.store import EtcdStore
 from tests.launch_helpers import write_run_config
 
 

@@ -24,8 +24,8 @@ from chaos.injectors import (
     InjectionContext, TargetNotFound,
 )
 from chaos.plan import parse_plan
-from elastic.faults import FaultHooks
-from elastic.procs import alive
+from elastic.worker.faults import FaultHooks
+from elastic.common.procs import alive
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -225,7 +225,7 @@ def test_bad_hardware_overlay_really_fails_the_diag_screen(tmp_path):
 def committed(tmp_path):
     import torch
 
-    from elastic.checkpoint import CheckpointConfig, CheckpointManager
+    from elastic.checkpoint.manager import CheckpointConfig, CheckpointManager
 
     manager = CheckpointManager(CheckpointConfig(interval_steps=4, keep_last=3), tmp_path / "checkpoints")
     for step in (4, 8):
@@ -238,7 +238,7 @@ def committed(tmp_path):
 
 @pytest.mark.parametrize("mode", ["flip", "truncate"])
 def test_corrupt_checkpoint_damages_the_newest_commit_so_verify_rejects_it(tmp_path, committed, mode):
-    from elastic.checkpoint import CheckpointCorrupt
+    from elastic.checkpoint.manager import CheckpointCorrupt
 
     record = injector("corrupt_checkpoint", "any", mode=mode).inject(make_ctx(tmp_path))
     assert record.detail["checkpoint_step"] == 8
@@ -287,7 +287,7 @@ def test_etcd_outage_stop_freezes_then_thaws_the_server(tmp_path, etcd_server):
 
 
 def test_etcd_outage_kill_restarts_it_with_its_data(tmp_path, etcd_server):
-    from elastic.store import EtcdStore
+    from elastic.control.store import EtcdStore
 
     EtcdStore(etcd_server.endpoint).put("/chaos/probe", "kept")
     Events(tmp_path).add("launcher", "launcher.etcd_started", 1, etcd_pid=etcd_server.pid,
@@ -308,9 +308,9 @@ def test_etcd_outage_kill_restarts_it_with_its_data(tmp_path, etcd_server):
 
 def test_exclusion_watcher_copies_etcd_exclusion_records_into_events(tmp_path, etcd_server):
     from chaos.runner import ExclusionWatcher
-    from elastic.agent import Exclusions
-    from elastic.events import EventLog, read_run_events
-    from elastic.store import EtcdStore
+    from elastic.agent.node import Exclusions
+    from elastic.common.events import EventLog, read_run_events
+    from elastic.control.store import EtcdStore
 
     log = EventLog(tmp_path / "events" / "chaos.jsonl", "chaos")
     watcher = ExclusionWatcher(etcd_server.endpoint, "/elastic/runs/t", log, interval_s=0.1)

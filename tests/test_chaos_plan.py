@@ -8,7 +8,7 @@ import yaml
 from chaos.cli import main as chaos_main
 from chaos.injectors import REGISTRY, HangParams, OutageParams
 from chaos.plan import load_plan, parse_plan
-from elastic.config import ConfigError
+from elastic.common.config import ConfigError
 
 NODES = ["node0", "node1", "node2"]
 

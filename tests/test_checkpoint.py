@@ -12,19 +12,19 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from elastic.checkpoint import CheckpointConfig, CheckpointCorrupt, CheckpointManager, select_for_deletion
-from elastic.checkpoint_format import encode_safetensors
-from elastic.checkpoint_publish import EtcdCheckpointPublisher, latest_key, publisher_from_env, read_latest
-from elastic.checkpoint_storage import (
+from elastic.checkpoint.manager import CheckpointConfig, CheckpointCorrupt, CheckpointManager, select_for_deletion
+from elastic.checkpoint.format import encode_safetensors
+from elastic.checkpoint.publish import EtcdCheckpointPublisher, latest_key, publisher_from_env, read_latest
+from elastic.checkpoint.storage import (
     FAIL_WRITE_ENV,
     FaultInjectingStorage,
     LocalStorage,
     parse_fail_write,
     storage_for_save,
 )
-from elastic.events import EventLog, read_events
-from elastic.store import EtcdStore
-from elastic.worker import ETCD_ENDPOINT_ENV, RUN_PREFIX_ENV
+from elastic.common.events import EventLog, read_events
+from elastic.control.store import EtcdStore
+from elastic.worker.channel import ETCD_ENDPOINT_ENV, RUN_PREFIX_ENV
 
 # DCP says so whenever it runs without a process group, which is the point here.
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -144,7 +144,7 @@ def test_encoder_output_is_read_by_the_safetensors_library(tmp_path):
 
 
 def test_writer_nice_applies_to_background_threads_only():
-    from elastic.checkpoint_format import _lower_thread_priority
+    from elastic.checkpoint.format import _lower_thread_priority
 
     main_before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
     _lower_thread_priority(3)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from elastic.events import read_events
+from elastic.common.events import read_events
 
 WORKER = Path(__file__).with_name("test_checkpoint_worker.py")
 

@@ -34,11 +34,11 @@ from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.fsdp import fully_shard  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
-from elastic.checkpoint import CheckpointConfig, CheckpointManager  # noqa: E402
-from elastic.checkpoint_publish import EtcdCheckpointPublisher, read_latest  # noqa: E402
-from elastic.checkpoint_storage import LocalStorage  # noqa: E402
-from elastic.events import EventLog  # noqa: E402
-from elastic.store import EtcdStore  # noqa: E402
+from elastic.checkpoint.manager import CheckpointConfig, CheckpointManager  # noqa: E402
+from elastic.checkpoint.publish import EtcdCheckpointPublisher, read_latest  # noqa: E402
+from elastic.checkpoint.storage import LocalStorage  # noqa: E402
+from elastic.common.events import EventLog  # noqa: E402
+from elastic.control.store import EtcdStore  # noqa: E402
 
 ETCD_ENV = "TEST_CKPT_ETCD"
 PREFIX = "/elastic/runs/ckpt-test"

@@ -23,7 +23,7 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from elastic.config import from_dict, to_dict
+from elastic.common.config import from_dict, to_dict
 from launch.config import RunConfig
 
 SETTINGS = settings(max_examples=30, deadline=None, derandomize=True,

@@ -92,7 +92,7 @@ def test_cluster_mode_launcher_per_host(tmp_path):
     """One launcher per host: its own events file, its host's address for torchrun, no archiving."""
     import socket
 
-    from elastic.config import override
+    from elastic.common.config import override
     from launch.local import Launcher
 
     local = Launcher(load_config(None), tmp_path)

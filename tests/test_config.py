@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from elastic.config import ConfigError
+from elastic.common.config import ConfigError
 from launch.cli import build_parser, resolve_config
 from launch.config import load_config, parse_nodes
 

@@ -12,9 +12,9 @@ import pytest
 from diagnostics.cli import main
 from diagnostics.preflight import exclude_if_failed, run_screen
 from diagnostics.thresholds import load_thresholds
-from elastic.agent import Exclusions
-from elastic.config import ConfigError
-from elastic.store import EtcdStore
+from elastic.agent.node import Exclusions
+from elastic.common.config import ConfigError
+from elastic.control.store import EtcdStore
 
 FIXTURES = Path(__file__).parent / "fixtures" / "diag"
 REPO = Path(__file__).resolve().parents[1]

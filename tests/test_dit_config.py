@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from elastic.config import ConfigError, from_dict, to_dict
+from elastic.common.config import ConfigError, from_dict, to_dict
 from trainer.dit_config import MODEL_PRESETS, DiTTrainerConfig
 
 FIXTURE = Path(__file__).parent / "fixtures" / "dit_tiny.yaml"

@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from elastic.config import from_dict
+from elastic.common.config import from_dict
 from trainer.data import (
     GlobalSampler,
     SafetensorsLatents,

@@ -21,8 +21,8 @@ import pytest
 import torch
 import yaml
 
-from elastic.config import from_dict
-from elastic.worker import EXIT_NUMERICS
+from elastic.common.config import from_dict
+from elastic.worker.channel import EXIT_NUMERICS
 from trainer.dit_train import DiTTrainerFile, train
 
 REPO = Path(__file__).resolve().parents[1]
@@ -128,7 +128,7 @@ def test_rollback_reports_and_exits_with_exit_numerics(tmp_path, world1, monkeyp
     sock.settimeout(5)
     monkeypatch.setenv("ELASTIC_AGENT_ADDR", f"127.0.0.1:{sock.getsockname()[1]}")
     # Under an agent a worker asks for SIGKILL when its parent dies; not for the pytest process.
-    monkeypatch.setattr("elastic.worker.set_parent_death_signal", lambda sig: None)
+    monkeypatch.setattr("elastic.worker.channel.set_parent_death_signal", lambda sig: None)
     assert dit_train.main(["--config", str(config), "--run-dir", str(tmp_path / "run")]) == EXIT_NUMERICS
     reports = []
     try:

@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from elastic.config import from_dict
+from elastic.common.config import from_dict
 from trainer.dit import build_dit
 from trainer.dit_config import ModelConfig
 from trainer.fp8 import (

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from elastic.config import from_dict
+from elastic.common.config import from_dict
 from trainer.dit import DiT, build_dit, patchify, unpatchify
 from trainer.dit_config import ModelConfig
 from trainer.flow import (

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from elastic.config import from_dict
+from elastic.common.config import from_dict
 from trainer.dit_config import NumericsConfig
 from trainer.numerics import NumericsGuard, robust_zscore
 

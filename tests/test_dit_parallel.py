@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from elastic.config import from_dict
+from elastic.common.config import from_dict
 from trainer.dit import build_dit
 from trainer.dit_config import ModelConfig, ParallelConfig
 from trainer.flow import flow_loss

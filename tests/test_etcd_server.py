@@ -1,7 +1,7 @@
 import json
 import urllib.request
 
-from elastic.etcd_server import EmbeddedEtcd, find_etcd_binary
+from elastic.control.etcd_server import EmbeddedEtcd, find_etcd_binary
 
 
 def test_binary_found():

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from elastic.events import read_run_events
+from elastic.common.events import read_run_events
 from tests.launch_helpers import (
     kill_quietly, run_pids, start_launcher, wait_all_gone, wait_for_event, write_run_config,
 )

@@ -8,12 +8,12 @@ import dataclasses
 import pytest
 import torch
 
-from elastic.checkpoint import CheckpointConfig, CheckpointManager
-from elastic.checkpoint_config import MemoryCacheConfig
-from elastic.checkpoint_memory import MemoryLayoutMismatch, check_layout, decode_state, encode_state
-from elastic.config import ConfigError, from_dict
-from elastic.events import EventLog, read_events
-from elastic.memstate import (
+from elastic.checkpoint.manager import CheckpointConfig, CheckpointManager
+from elastic.checkpoint.config import MemoryCacheConfig
+from elastic.checkpoint.memory import MemoryLayoutMismatch, check_layout, decode_state, encode_state
+from elastic.common.config import ConfigError, from_dict
+from elastic.common.events import EventLog, read_events
+from elastic.checkpoint.memstate import (
     EntryMeta,
     MemStateClient,
     MemStateCorrupt,

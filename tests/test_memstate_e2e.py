@@ -8,7 +8,7 @@ import signal
 
 import pytest
 
-from elastic.events import read_run_events
+from elastic.common.events import read_run_events
 from tests.launch_helpers import start_launcher, wait_for_event, write_run_config
 
 

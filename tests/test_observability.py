@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from elastic.agent import NodeAgent, NodeSpec
-from elastic.agent_config import AgentConfig, RendezvousConfig
-from elastic.checkpoint_publish import EtcdCheckpointPublisher
-from elastic.events import EventLog
-from elastic.metrics import AgentMetrics, MeteredEventLog, MetricsConfig
-from elastic.store import EtcdStore, LeaseKeeper
+from elastic.agent.node import NodeAgent, NodeSpec
+from elastic.agent.config import AgentConfig, RendezvousConfig
+from elastic.checkpoint.publish import EtcdCheckpointPublisher
+from elastic.common.events import EventLog
+from elastic.agent.metrics import AgentMetrics, MeteredEventLog, MetricsConfig
+from elastic.control.store import EtcdStore, LeaseKeeper
 from launch import ops_cli
 from launch.report import plot_loss
 from launch.status import format_plain, read_status, render_table
@@ -77,7 +77,7 @@ def test_metrics_fed_by_events_reports_and_checkpoint_log(tmp_path):
 
 
 def test_metrics_config_refuses_bad_port():
-    from elastic.config import ConfigError
+    from elastic.common.config import ConfigError
 
     with pytest.raises(ConfigError, match="port"):
         MetricsConfig(port=70000)

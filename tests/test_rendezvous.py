@@ -13,8 +13,8 @@ import pytest
 import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import RendezvousParameters, RendezvousStateError
 
-from elastic.rendezvous import Etcd3RendezvousBackend, EtcdC10dStore, create_etcd3_handler
-from elastic.store import EtcdStore
+from elastic.rendezvous.backend import Etcd3RendezvousBackend, EtcdC10dStore, create_etcd3_handler
+from elastic.control.store import EtcdStore
 
 WORKER = Path(__file__).parent / "workers" / "allreduce.py"
 
@@ -96,7 +96,7 @@ def test_c10d_store_ops(etcd_endpoint):
 
 def test_handler_registered_through_entry_point():
     names = {ep.name: ep.value for ep in entry_points(group="torchrun.handlers")}
-    assert names.get("etcd3") == "elastic.rdzv_plugin:handler_factory"
+    assert names.get("etcd3") == "elastic.rendezvous.plugin:handler_factory"
 
 
 def test_handler_reports_bad_endpoint():

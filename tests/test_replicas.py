@@ -22,13 +22,13 @@ import pytest
 # torchft ships x86_64 wheels only (pyproject installs it there); elsewhere this mode is not available.
 pytest.importorskip("torchft")
 
-from elastic.agent import NodeAgent, NodeSpec
-from elastic.agent_config import AgentConfig, RendezvousConfig
-from elastic.config import ConfigError, override
-from elastic.events import EventLog, read_run_events
-from elastic.replica_config import REPLICA_ENTRYPOINT, ReplicaConfig
-from elastic.replicas import LighthouseUnavailable, ReplicaRuntime
-from elastic.store import EtcdStore
+from elastic.agent.node import NodeAgent, NodeSpec
+from elastic.agent.config import AgentConfig, RendezvousConfig
+from elastic.common.config import ConfigError, override
+from elastic.common.events import EventLog, read_run_events
+from elastic.replicas.config import REPLICA_ENTRYPOINT, ReplicaConfig
+from elastic.replicas.runtime import LighthouseUnavailable, ReplicaRuntime
+from elastic.control.store import EtcdStore
 from launch.config import RunConfig
 from tests.launch_helpers import start_launcher, wait_for_event, write_run_config
 
@@ -172,7 +172,7 @@ def test_sigkill_one_group_survivor_keeps_training_and_restarted_group_heals(tmp
 
 def test_lighthouse_main_runs_without_importing_torch():
     # The leader starts it while holding a 3 s lease: a torch import (1-4 s loaded) must not be in the way.
-    script = Path(__file__).parents[1] / "elastic" / "lighthouse_main.py"
+    script = Path(__file__).parents[1] / "elastic" / "replicas" / "lighthouse_main.py"
     # (No -X flag: the Lighthouse parses the process argv from argv[1], which must be the script.)
     env = {**os.environ, "PYTHONPROFILEIMPORTTIME": "1"}
     out = subprocess.run([sys.executable, str(script), "--help"], check=False, capture_output=True, text=True,

@@ -19,14 +19,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from elastic.admission import EXIT_FINGERPRINT, EXIT_WRONG_TOKEN, Admission, Refused, join_fingerprint
-from elastic.config import ConfigError, from_dict, to_dict
-from elastic.etcd_security import PASSWORD_ENV, EtcdClientConfig, EtcdSecurity
-from elastic.etcd_server import EmbeddedEtcd, ServerTLS
-from elastic.events import EventLog
-from elastic.naming import run_prefix
-from elastic.procs import descendants
-from elastic.store import EtcdStore, StoreAuthError, StoreTLSError
+from elastic.control.admission import EXIT_FINGERPRINT, EXIT_WRONG_TOKEN, Admission, Refused, join_fingerprint
+from elastic.common.config import ConfigError, from_dict, to_dict
+from elastic.control.etcd_security import PASSWORD_ENV, EtcdClientConfig, EtcdSecurity
+from elastic.control.etcd_server import EmbeddedEtcd, ServerTLS
+from elastic.common.events import EventLog
+from elastic.control.keys import run_prefix
+from elastic.common.procs import descendants
+from elastic.control.store import EtcdStore, StoreAuthError, StoreTLSError
 from launch.config import RunConfig
 from tests.etcd_certs import make_pki
 
@@ -99,7 +99,7 @@ def test_tls_without_an_accepted_client_cert_fails_at_once_with_a_clear_error(se
 
 
 def test_plain_http_against_a_tls_etcd_says_so(secure_etcd):
-    from elastic.store import StoreUnavailable
+    from elastic.control.store import StoreUnavailable
 
     with pytest.raises(StoreUnavailable, match="set etcd.ca_file"):
         EtcdStore(secure_etcd.endpoint, request_timeout=1.0, retry_deadline=0.5, security=EtcdSecurity()).get("/x")
@@ -125,7 +125,7 @@ def test_rendezvous_backend_over_tls_and_auth(secure_etcd, pki, monkeypatch):
     """The torchrun handler takes TLS paths from --rdzv-conf and the password from the environment."""
     from torch.distributed.elastic.rendezvous import RendezvousParameters
 
-    from elastic.rendezvous import Etcd3RendezvousBackend, create_etcd3_handler
+    from elastic.rendezvous.backend import Etcd3RendezvousBackend, create_etcd3_handler
 
     security = _security(pki)
     monkeypatch.setenv("MY_ETCD_PW", PASSWORD)

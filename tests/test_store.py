@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from elastic.store import EtcdStore, LeaseExpired, LeaseKeeper, StoreUnavailable, parse_endpoint
+from elastic.control.store import EtcdStore, LeaseExpired, LeaseKeeper, StoreUnavailable, parse_endpoint
 
 
 @pytest.fixture

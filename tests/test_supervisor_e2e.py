@@ -10,11 +10,11 @@ import time
 
 import pytest
 
-from elastic.agent import Exclusions
-from elastic.events import read_run_events
-from elastic.naming import run_prefix
-from elastic.store import EtcdStore
-from elastic.faults import write_fault
+from elastic.agent.node import Exclusions
+from elastic.common.events import read_run_events
+from elastic.control.keys import run_prefix
+from elastic.control.store import EtcdStore
+from elastic.worker.faults import write_fault
 from tests.launch_helpers import start_launcher, wait_for_event, write_run_config
 
 pytestmark = [pytest.mark.timeout(400), pytest.mark.slow]

@@ -12,16 +12,16 @@ import time
 import pytest
 import torch
 
-from elastic.agent_config import AgentConfig, FailurePolicy, HeartbeatConfig, LeaderConfig
-from elastic.classify import FailureKind, classify, worker_exit_codes
-from elastic.config import ConfigError, from_dict
-from elastic.events import EventLog
-from elastic.faults import FaultHooks, FaultSpecError, write_fault
-from elastic.goodput import compute_goodput
-from elastic.heartbeat import HeartbeatMonitor, Silence
-from elastic.leader import ClusterPolicy, LeaderElection
-from elastic.store import EtcdStore
-from elastic.worker import skip_steps
+from elastic.agent.config import AgentConfig, FailurePolicy, HeartbeatConfig, LeaderConfig
+from elastic.agent.classify import FailureKind, classify, worker_exit_codes
+from elastic.common.config import ConfigError, from_dict
+from elastic.common.events import EventLog
+from elastic.worker.faults import FaultHooks, FaultSpecError, write_fault
+from elastic.run.goodput import compute_goodput
+from elastic.agent.heartbeat import HeartbeatMonitor, Silence
+from elastic.control.leader import ClusterPolicy, LeaderElection
+from elastic.control.store import EtcdStore
+from elastic.worker.channel import skip_steps
 
 
 # -- classification -----------------------------------------------------------------
@@ -209,7 +209,7 @@ def test_fault_straggle_delays_and_bad_spec(tmp_path):
 
 def test_fault_hang_stops_the_process(tmp_path):
     write_fault(tmp_path, "h", {"kind": "hang", "step": 2})
-    code = ("import sys; from elastic.faults import FaultHooks; h = FaultHooks(sys.argv[1], 0); "
+    code = ("import sys; from elastic.worker.faults import FaultHooks; h = FaultHooks(sys.argv[1], 0); "
             "h.before_step(1); h.before_step(2); print('resumed', flush=True)")
     proc = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True)
     try:

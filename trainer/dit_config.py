@@ -1,9 +1,9 @@
 """Config of the reference DiT flow-matching trainer, importable without torch.
 
 The launcher validates the ``trainer`` section of a run YAML with
-:func:`elastic.config.from_dict` before any worker starts, so every check that
+:func:`elastic.common.config.from_dict` before any worker starts, so every check that
 can be made without knowing the world size lives in ``__post_init__`` and
-raises :class:`~elastic.config.ConfigError` naming the field.  Checks that
+raises :class:`~elastic.common.config.ConfigError` naming the field.  Checks that
 need the world size (``dp * cp == world``) are in
 :meth:`DiTTrainerConfig.check_world`, called by the trainer at start-up.
 
@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from elastic.config import ConfigError
+from elastic.common.config import ConfigError
 
 # name -> (hidden_dim, depth, num_heads); patch size and input size stay separate fields.
 # The S/B/L/XL sizes are the DiT paper's; "tiny" is for CPU tests.

@@ -5,7 +5,7 @@ Same protocol as :mod:`trainer.train` (the minimal MLP workload): reads the
 ``checkpoint`` and ``fingerprint`` sections of the run YAML; writes events to
 ``<run-dir>/events/trainer-rank{R}.jsonl``; reports steps, commits and bad
 numerics to the node agent; checkpoints through
-:class:`~elastic.checkpoint.CheckpointManager` on its own gloo group; resumes
+:class:`~elastic.checkpoint.manager.CheckpointManager` on its own gloo group; resumes
 from the newest committed checkpoint; prints ``FINAL_CHECKSUM <sha256>``.
 
 Determinism (CPU, same seed, world size and thread count): initial weights
@@ -37,14 +37,14 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from elastic.checkpoint import CheckpointConfig, CheckpointManager
-from elastic.config import ConfigError, from_dict, to_dict
-from elastic.events import EventLog
-from elastic.checkpoint_publish import publisher_from_env
-from elastic.checkpoint_storage import FAIL_WRITE_ENV
-from elastic.faults import FaultHooks
+from elastic.checkpoint.manager import CheckpointConfig, CheckpointManager
+from elastic.common.config import ConfigError, from_dict, to_dict
+from elastic.common.events import EventLog
+from elastic.checkpoint.publish import publisher_from_env
+from elastic.checkpoint.storage import FAIL_WRITE_ENV
+from elastic.worker.faults import FaultHooks
 from trainer.checksum import param_checksum, publish_checksum
-from elastic.worker import EXIT_NUMERICS, WorkerContext, skip_steps
+from elastic.worker.channel import EXIT_NUMERICS, WorkerContext, skip_steps
 from trainer.data import GlobalSampler, build_dataset, collate
 from trainer.dit import DiT, build_dit
 from trainer.dit_config import DiTTrainerConfig

@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 import yaml
 
-from elastic.config import ConfigError
-from elastic.worker import pg_timeout
+from elastic.common.config import ConfigError
+from elastic.worker.channel import pg_timeout
 
 EXIT_CONFIG = 2
 

@@ -41,12 +41,12 @@ import yaml
 from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from elastic.config import from_dict
-from elastic.events import EventLog
-from elastic.replica_config import ReplicaConfig
-from elastic.replicas import FINISHED_KEY
-from elastic.store import EtcdStore, StoreError
-from elastic.worker import ETCD_ENDPOINT_ENV, RUN_PREFIX_ENV, WorkerContext
+from elastic.common.config import from_dict
+from elastic.common.events import EventLog
+from elastic.replicas.config import ReplicaConfig
+from elastic.replicas.runtime import FINISHED_KEY
+from elastic.control.store import EtcdStore, StoreError
+from elastic.worker.channel import ETCD_ENDPOINT_ENV, RUN_PREFIX_ENV, WorkerContext
 from trainer.checksum import param_checksum, publish_checksum
 from trainer.entry import EXIT_CONFIG, init_worker_process, parse_trainer_args, read_trainer_config
 from trainer.minimal_config import MLPTrainerConfig

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from elastic.config import ConfigError
+from elastic.common.config import ConfigError
 
 
 @dataclass(kw_only=True)

@@ -28,10 +28,10 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
-from elastic.checkpoint import CheckpointCorrupt, CheckpointManager, step_dir_name
-from elastic.checkpoint_format import SafetensorsShardReader
-from elastic.config import ConfigError
-from elastic.events import EventLog
+from elastic.checkpoint.manager import CheckpointCorrupt, CheckpointManager, step_dir_name
+from elastic.checkpoint.format import SafetensorsShardReader
+from elastic.common.config import ConfigError
+from elastic.common.events import EventLog
 from trainer.dit import DiT, build_dit
 from trainer.dit_train import (
     RESOLVED_CONFIG_NAME,

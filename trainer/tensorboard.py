@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from elastic.config import ConfigError
+from elastic.common.config import ConfigError
 
 
 @dataclass(kw_only=True)

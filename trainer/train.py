@@ -2,7 +2,7 @@
 
 This is the minimal workload of the runtime: a small MLP regression trained
 with FSDP2 (``fully_shard``) on gloo (CPU) or NCCL (GPU), checkpointed with
-the runtime's :class:`~elastic.checkpoint.CheckpointManager` and resumed from
+the runtime's :class:`~elastic.checkpoint.manager.CheckpointManager` and resumed from
 the newest committed checkpoint after any restart.
 
 Determinism: the batch of step ``s`` on rank ``r`` is generated from
@@ -32,14 +32,14 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.fsdp import fully_shard
 
-from elastic.checkpoint import CheckpointConfig, CheckpointManager
-from elastic.config import from_dict
-from elastic.events import EventLog
-from elastic.checkpoint_publish import publisher_from_env
-from elastic.checkpoint_storage import FAIL_WRITE_ENV
-from elastic.faults import FaultHooks
+from elastic.checkpoint.manager import CheckpointConfig, CheckpointManager
+from elastic.common.config import from_dict
+from elastic.common.events import EventLog
+from elastic.checkpoint.publish import publisher_from_env
+from elastic.checkpoint.storage import FAIL_WRITE_ENV
+from elastic.worker.faults import FaultHooks
 from trainer.checksum import param_checksum, publish_checksum
-from elastic.worker import EXIT_NUMERICS, WorkerContext, skip_steps
+from elastic.worker.channel import EXIT_NUMERICS, WorkerContext, skip_steps
 from trainer.minimal_config import MLPTrainerConfig
 from trainer.entry import EXIT_CONFIG, init_worker_process, parse_trainer_args, read_trainer_config
 from trainer.tensorboard import ScalarLog, TensorBoardConfig

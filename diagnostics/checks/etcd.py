@@ -1,7 +1,7 @@
 """etcd: reachability, write round trip, and clock skew against the etcd server.
 
 Reachability and latency: a put / get / delete of a probe key through
-:class:`elastic.store.EtcdStore` (short retry deadline); the median of the three
+:class:`elastic.control.store.EtcdStore` (short retry deadline); the median of the three
 round trips is the value.  A read-only or quorum-less cluster fails the put.
 
 Clock skew method.  etcd's v3 API carries no server time, but its HTTP gateway
@@ -83,7 +83,7 @@ class EtcdCheck(Check):
     def run(self, ctx: Context) -> CheckResult:
         if not ctx.etcd_endpoint:
             return self.skip("no etcd endpoint given (--etcd-endpoint)")
-        from elastic.store import EtcdStore, StoreError
+        from elastic.control.store import EtcdStore, StoreError
 
         t = ctx.thresholds.etcd
         offset = float(ctx.reader.knobs("etcd").get("clock_offset_s", 0.0))

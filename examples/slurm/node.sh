@@ -9,7 +9,7 @@ mkdir -p "$RUN_DIR/diag"
 
 # etcd starts on the first node at the same moment: give it a minute before screening.
 for _ in $(seq 60); do
-    "$BIN/python" -c "from elastic.store import EtcdStore; EtcdStore('$ETCD_ENDPOINT', retry_deadline=1).revision()" \
+    "$BIN/python" -c "from elastic.control.store import EtcdStore; EtcdStore('$ETCD_ENDPOINT', retry_deadline=1).revision()" \
         2>/dev/null && break
     sleep 1
 done

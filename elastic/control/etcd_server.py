@@ -162,7 +162,7 @@ class EmbeddedEtcd:
         # agents have shut down cleanly; the launcher stops it last.
         preexec = None
         if parent_death_signal is not None:
-            from elastic.procs import child_preexec
+            from elastic.common.procs import child_preexec
 
             preexec = child_preexec(parent_death_signal)
         self.proc = subprocess.Popen(

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from elastic.config import ConfigError
+from elastic.common.config import ConfigError
 
 
 @dataclass(kw_only=True)

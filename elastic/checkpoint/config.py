@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from elastic.config import ConfigError
+from elastic.common.config import ConfigError
 
 
 @dataclass(kw_only=True)
 class MemoryCacheConfig:
-    """The in-memory fast path (:mod:`elastic.memstate`): the node agent keeps each local rank's
+    """The in-memory fast path (:mod:`elastic.checkpoint.memstate`): the node agent keeps each local rank's
     newest checkpointed state in RAM, so a worker restarted on a surviving node loads from there."""
 
     enabled: bool = False

@@ -9,7 +9,7 @@ etcd 3.6 removed.  This module provides the v3 equivalent for torch's
   ``mod_revision``; ``set_state`` is one compare-and-swap transaction.
 * :class:`EtcdC10dStore` -- a ``torch.distributed.Store`` on etcd, handed to
   the agents for rank assignment, master address exchange and exit barriers.
-* :func:`create_etcd3_handler` -- registered (via :mod:`elastic.rdzv_plugin`) under the ``torchrun.handlers`` entry
+* :func:`create_etcd3_handler` -- registered (via :mod:`elastic.rendezvous.plugin`) under the ``torchrun.handlers`` entry
   point as ``etcd3``, so plain
   ``torchrun --rdzv-backend=etcd3 --rdzv-endpoint=127.0.0.1:2379 --rdzv-id=RUN``
   works with this package installed, inside or outside ``elastic-launch``.
@@ -26,7 +26,7 @@ secured etcd ``etcd_ca_file``, ``etcd_cert_file``, ``etcd_key_file``,
 ``etcd_user`` and ``etcd_password_env`` (the *name* of the variable that holds
 the password, default ``ELASTIC_ETCD_PASSWORD``; a password on torchrun's
 command line would be visible in ``ps``).  Keys not given fall back to the
-``ELASTIC_ETCD_*`` environment (:mod:`elastic.etcd_security`).
+``ELASTIC_ETCD_*`` environment (:mod:`elastic.control.etcd_security`).
 """
 
 from __future__ import annotations
@@ -47,9 +47,9 @@ from torch.distributed.elastic.rendezvous import (
 )
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend, Token, create_handler
 
-from elastic.etcd_security import EtcdSecurity
-from elastic.naming import BACKEND_NAME, DEFAULT_KEY_PREFIX, run_prefix
-from elastic.store import EtcdStore, StoreError, StoreTimeout, StoreUnavailable
+from elastic.control.etcd_security import EtcdSecurity
+from elastic.control.keys import BACKEND_NAME, DEFAULT_KEY_PREFIX, run_prefix
+from elastic.control.store import EtcdStore, StoreError, StoreTimeout, StoreUnavailable
 
 # Stored value = magic + base64(pickled state).  The magic makes a foreign or
 # truncated value detectable before torch tries to unpickle it.

@@ -34,7 +34,7 @@ import tenacity
 from etcd3gw import exceptions as gw_exc
 from etcd3gw.client import Etcd3Client
 
-from elastic.etcd_security import EtcdSecurity, etcd_error_text, short_ssl_reason, ssl_error_in
+from elastic.control.etcd_security import EtcdSecurity, etcd_error_text, short_ssl_reason, ssl_error_in
 
 log = logging.getLogger(__name__)
 

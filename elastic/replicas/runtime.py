@@ -29,11 +29,11 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from elastic.etcd_server import free_port
-from elastic.events import EventLog
-from elastic.procs import child_preexec, terminate_tree
-from elastic.replica_config import ReplicaConfig
-from elastic.store import EtcdStore, StoreError
+from elastic.control.etcd_server import free_port
+from elastic.common.events import EventLog
+from elastic.common.procs import child_preexec, terminate_tree
+from elastic.replicas.config import ReplicaConfig
+from elastic.control.store import EtcdStore, StoreError
 
 LIGHTHOUSE_KEY = "torchft/lighthouse"
 FINISHED_KEY = "torchft/finished"

@@ -43,10 +43,10 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
-from elastic.checkpoint_config import MemoryCacheConfig
-from elastic import collectives
-from elastic.events import EventLog
-from elastic.memstate import EntryMeta, MemStateClient, MemStateError, reject_reason, sha256_bytes, sha256_chunks
+from elastic.checkpoint.config import MemoryCacheConfig
+from elastic.common import collectives
+from elastic.common.events import EventLog
+from elastic.checkpoint.memstate import EntryMeta, MemStateClient, MemStateError, reject_reason, sha256_bytes, sha256_chunks
 
 _FORMAT = "elastic-memstate-v1"
 _TENSOR_REF = "__memstate_tensor__"

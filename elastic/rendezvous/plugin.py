@@ -1,6 +1,6 @@
 """The ``torchrun.handlers`` entry point (``etcd3``).
 
-Kept apart from :mod:`elastic.rendezvous` on purpose: torch loads entry points
+Kept apart from :mod:`elastic.rendezvous.backend` on purpose: torch loads entry points
 while its rendezvous package is being imported, so the module it loads must
 not import that package at import time (it would see itself half-initialised).
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 
 def _create(params):
-    from elastic.rendezvous import create_etcd3_handler
+    from elastic.rendezvous.backend import create_etcd3_handler
 
     return create_etcd3_handler(params)
 

@@ -70,7 +70,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from elastic.checkpoint_storage import CheckpointStorage, LocalStorage
+from elastic.checkpoint.storage import CheckpointStorage, LocalStorage
 
 log = logging.getLogger(__name__)
 

@@ -29,9 +29,9 @@ import threading
 import time
 from typing import Callable
 
-from elastic.agent_config import LeaderConfig
-from elastic.events import EventLog
-from elastic.store import EtcdStore, LeaseExpired, StoreError
+from elastic.agent.config import LeaderConfig
+from elastic.common.events import EventLog
+from elastic.control.store import EtcdStore, LeaseExpired, StoreError
 
 
 class LeaderElection:

@@ -11,13 +11,13 @@ Two layers:
 
 How the settings reach the processes below the launcher: through the
 environment (``ELASTIC_ETCD_*``, see :meth:`EtcdSecurity.env`), which every
-child inherits and which ``ps`` does not show.  :class:`elastic.store.EtcdStore`
+child inherits and which ``ps`` does not show.  :class:`elastic.control.store.EtcdStore`
 reads it when it is not handed settings explicitly, so the agent, torchrun's
 rendezvous handler, the workers' checkpoint publisher and ``diag`` all connect
 the same way.  The torchrun handler also takes the paths as ``--rdzv-conf``
 keys (:data:`RDZV_KEYS`), for plain ``torchrun`` use outside the launcher.
 
-This module imports nothing from :mod:`elastic.store` (the store imports it).
+This module imports nothing from :mod:`elastic.control.store` (the store imports it).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from typing import Any
 
 import requests
 
-from elastic.config import ConfigError
+from elastic.common.config import ConfigError
 
 CA_ENV = "ELASTIC_ETCD_CA_FILE"
 CERT_ENV = "ELASTIC_ETCD_CERT_FILE"

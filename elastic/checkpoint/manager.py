@@ -10,7 +10,7 @@ Layout under the checkpoint root::
     .step-00000050.tmp-XXXXXXXX/  a save in progress; never loaded, removed at start-up
 
 (The shard/manifest format and why it is not DCP's HF writer: see
-:mod:`elastic.checkpoint_format`.)
+:mod:`elastic.checkpoint.format`.)
 
 Life of a save
 --------------
@@ -81,14 +81,14 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from elastic.checkpoint_config import CheckpointConfig
-from elastic import collectives
-from elastic.checkpoint_memory import MemoryFastPath, RecordingStager, as_state_dicts
-from elastic.checkpoint_format import MANIFEST_FILE, SafetensorsShardReader, SafetensorsShardWriter, read_extra, read_manifest
-from elastic.checkpoint_publish import EtcdCheckpointPublisher, publisher_from_env
-from elastic.checkpoint_storage import CheckpointStorage, LocalStorage, storage_for_save
-from elastic.events import EventLog
-from elastic.memstate import MemStateClient
+from elastic.checkpoint.config import CheckpointConfig
+from elastic.common import collectives
+from elastic.checkpoint.memory import MemoryFastPath, RecordingStager, as_state_dicts
+from elastic.checkpoint.format import MANIFEST_FILE, SafetensorsShardReader, SafetensorsShardWriter, read_extra, read_manifest
+from elastic.checkpoint.publish import EtcdCheckpointPublisher, publisher_from_env
+from elastic.checkpoint.storage import CheckpointStorage, LocalStorage, storage_for_save
+from elastic.common.events import EventLog
+from elastic.checkpoint.memstate import MemStateClient
 
 __all__ = [
     "COMMIT_FILE",
@@ -193,7 +193,7 @@ class CheckpointManager:
     with ``ELASTIC_CKPT_FAIL_WRITE`` fault injection when that is set.
     With ``config.memory.enabled`` each saved state is also pushed to the node
     agent's in-memory cache and :meth:`load_latest` tries that first
-    (:mod:`elastic.checkpoint_memory`); ``memory_client`` overrides the cache
+    (:mod:`elastic.checkpoint.memory`); ``memory_client`` overrides the cache
     address taken from the agent's environment.
     Construction, :meth:`save`, :meth:`load_latest` and :meth:`close` are
     collective over ``group``.

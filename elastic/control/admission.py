@@ -31,9 +31,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from elastic.config import ConfigError
-from elastic.etcd_security import read_secret_file
-from elastic.fingerprint import code_hash, config_hash
+from elastic.common.config import ConfigError
+from elastic.control.etcd_security import read_secret_file
+from elastic.common.fingerprint import code_hash, config_hash
 
 EXIT_WRONG_TOKEN = 94
 EXIT_FINGERPRINT = 95

@@ -16,8 +16,8 @@ import time
 from collections.abc import Mapping
 from typing import Any, Protocol
 
-from elastic.store import EtcdStore, KVStore
-from elastic.worker import ETCD_ENDPOINT_ENV, RUN_PREFIX_ENV
+from elastic.control.store import EtcdStore, KVStore
+from elastic.worker.channel import ETCD_ENDPOINT_ENV, RUN_PREFIX_ENV
 
 
 class CheckpointPublisher(Protocol):

@@ -1,7 +1,7 @@
 """The node agent's in-memory checkpoint cache and its loopback protocol (no torch here).
 
 After each save a worker pushes its rank's state (the serialized bytes of
-exactly what the checkpoint wrote, see :mod:`elastic.checkpoint_memory`) to
+exactly what the checkpoint wrote, see :mod:`elastic.checkpoint.memory`) to
 its node agent; the agent keeps the newest entry per local slot (the worker's
 ``LOCAL_RANK``).  A worker restarted on the same node asks for its slot's
 entry before reading the disk.  The cache is an accelerator, never a source of
@@ -37,7 +37,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from elastic.events import EventLog
+from elastic.common.events import EventLog
 
 log = logging.getLogger(__name__)
 

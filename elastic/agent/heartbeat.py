@@ -1,7 +1,7 @@
 """Worker liveness as the node agent sees it: step reports in, hang verdicts out.
 
 Every local rank reports each step over the agent's UDP socket
-(:mod:`elastic.worker`).  :class:`HeartbeatMonitor` keeps the newest report
+(:mod:`elastic.worker.channel`).  :class:`HeartbeatMonitor` keeps the newest report
 per rank and answers one question each monitor tick: has any rank been
 silent past its timeout (``init_timeout_s`` before the first step,
 ``step_timeout_s`` after)?
@@ -26,7 +26,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
 
-from elastic.agent_config import HeartbeatConfig
+from elastic.agent.config import HeartbeatConfig
 
 _CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 

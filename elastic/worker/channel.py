@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from elastic.procs import set_parent_death_signal
+from elastic.common.procs import set_parent_death_signal
 
 AGENT_ADDR_ENV = "ELASTIC_AGENT_ADDR"
 ETCD_ENDPOINT_ENV = "ELASTIC_ETCD_ENDPOINT"

@@ -4,7 +4,7 @@ Sources, all local to the agent (no extra traffic to etcd or the workers):
 
 * the agent's own structured events (:class:`MeteredEventLog` forwards each
   emitted event): restarts by failure class, exclusions, state, epoch;
-* the workers' step reports (UDP, :mod:`elastic.worker`): steps, step time,
+* the workers' step reports (UDP, :mod:`elastic.worker.channel`): steps, step time,
   loss, and the productive step time that goodput is made of;
 * the checkpoint events of this node's lowest local rank, read incrementally
   from its ``events/trainer-rank<R>.jsonl`` on each :meth:`AgentMetrics.tick`
@@ -12,7 +12,7 @@ Sources, all local to the agent (no extra traffic to etcd or the workers):
 * the heartbeat monitor at scrape time (seconds since the quietest local
   rank last reported).
 
-Goodput here is the node's running view of :mod:`elastic.goodput`'s
+Goodput here is the node's running view of :mod:`elastic.run.goodput`'s
 definition: step time of steps whose result survived (a redone step replaces
 the earlier execution) over wall time since the agent started.
 
@@ -35,8 +35,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Enum, Gauge, Histogram, start_http_server
 
-from elastic.config import ConfigError
-from elastic.events import EventLog
+from elastic.common.config import ConfigError
+from elastic.common.events import EventLog
 
 _STEP_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _CKPT_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60, 300)

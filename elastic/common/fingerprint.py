@@ -5,7 +5,7 @@ Two uses share :func:`config_hash`:
 * the checkpoint fingerprint (:meth:`launch.config.RunConfig.compute_fingerprint`):
   only what changes the meaning of saved state, so a checkpoint of another
   config is never loaded;
-* the join fingerprint (:mod:`elastic.admission`): the whole run config minus
+* the join fingerprint (:mod:`elastic.control.admission`): the whole run config minus
   per-node fields, plus :func:`code_hash` of this project's packages, so a node
   started with different settings or different code is refused instead of
   silently training a different job next to the others.

@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from elastic.config import ConfigError
-from elastic.metrics import MetricsConfig
-from elastic.naming import DEFAULT_KEY_PREFIX
+from elastic.common.config import ConfigError
+from elastic.agent.metrics import MetricsConfig
+from elastic.control.keys import DEFAULT_KEY_PREFIX
 
 
 Action = Literal["restart", "rescreen", "exclude", "stop", "rollback"]

@@ -4,7 +4,7 @@ Inputs, in order of trust: the agent's own verdicts (a hang it detected, a
 numerics report it received), the workers' ``@record`` error files, the
 worker exit codes and rendezvous errors torchrun printed to its log, and
 torchrun's own exit status.  Each class maps to an action in
-:class:`~elastic.agent_config.FailurePolicy`.
+:class:`~elastic.agent.config.FailurePolicy`.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import re
 from enum import Enum
 from pathlib import Path
 
-from elastic.worker import EXIT_NUMERICS
+from elastic.worker.channel import EXIT_NUMERICS
 
 
 class FailureKind(str, Enum):

@@ -21,13 +21,13 @@ failures consume its restart budget: a restart caused by a peer is a
 membership change, not a failure of this node.
 
 Supervision while torchrun runs: step heartbeats from the workers
-(:mod:`elastic.heartbeat`: hang detection), the node heartbeat published to
-etcd for the leader (:mod:`elastic.leader`: stragglers, lemon nodes), the
+(:mod:`elastic.agent.heartbeat`: hang detection), the node heartbeat published to
+etcd for the leader (:mod:`elastic.control.leader`: stragglers, lemon nodes), the
 run's epoch, this node's exclusion record and the run's stop key.
 
 torchrun itself runs with ``--max-restarts 0``: this agent owns the restart
-decision so that it can classify the failure (:mod:`elastic.classify`) and
-act on it (:class:`~elastic.agent_config.FailurePolicy`).
+decision so that it can classify the failure (:mod:`elastic.agent.classify`) and
+act on it (:class:`~elastic.agent.config.FailurePolicy`).
 """
 
 from __future__ import annotations
@@ -46,23 +46,23 @@ from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 
-from elastic.admission import Admission, Refused, join_fingerprint
-from elastic.agent_config import AgentConfig, RendezvousConfig
-from elastic.checkpoint_config import MemoryCacheConfig
-from elastic.checkpoint_publish import read_latest
-from elastic.classify import UNCOUNTED, FailureKind, classify
-from elastic.config import ConfigError, to_dict
-from elastic.events import EventLog
-from elastic.heartbeat import HeartbeatMonitor, Silence
-from elastic.leader import ClusterPolicy, LeaderLoop
-from elastic.metrics import AgentMetrics, MeteredEventLog
-from elastic.memstate import MemStateServer
-from elastic.naming import BACKEND_NAME, run_prefix
-from elastic.procs import child_preexec, descendants, set_parent_death_signal, terminate_tree
-from elastic.store import EtcdStore, LeaseKeeper, StoreAuthError, StoreError, StoreTLSError
-from elastic.replica_config import ReplicaConfig
-from elastic.replicas import LighthouseUnavailable, ReplicaRuntime
-from elastic.worker import SKIP_STEPS_ENV
+from elastic.control.admission import Admission, Refused, join_fingerprint
+from elastic.agent.config import AgentConfig, RendezvousConfig
+from elastic.checkpoint.config import MemoryCacheConfig
+from elastic.checkpoint.publish import read_latest
+from elastic.agent.classify import UNCOUNTED, FailureKind, classify
+from elastic.common.config import ConfigError, to_dict
+from elastic.common.events import EventLog
+from elastic.agent.heartbeat import HeartbeatMonitor, Silence
+from elastic.control.leader import ClusterPolicy, LeaderLoop
+from elastic.agent.metrics import AgentMetrics, MeteredEventLog
+from elastic.checkpoint.memstate import MemStateServer
+from elastic.control.keys import BACKEND_NAME, run_prefix
+from elastic.common.procs import child_preexec, descendants, set_parent_death_signal, terminate_tree
+from elastic.control.store import EtcdStore, LeaseKeeper, StoreAuthError, StoreError, StoreTLSError
+from elastic.replicas.config import ReplicaConfig
+from elastic.replicas.runtime import LighthouseUnavailable, ReplicaRuntime
+from elastic.worker.channel import SKIP_STEPS_ENV
 
 EXIT_SUCCESS = 0
 EXIT_FAILURE = 1
@@ -181,7 +181,7 @@ class NodeAgent:
         # Replica-group mode (torchft): this node is one group that restarts alone.
         self.replicas = (ReplicaRuntime(replicas, self.store, self.prefix, spec.node_id, spec.run_id, spec.run_dir,
                                         self.events) if replicas is not None and replicas.enabled else None)
-        # The node's in-memory copy of its workers' newest checkpoint state (elastic.memstate):
+        # The node's in-memory copy of its workers' newest checkpoint state (elastic.checkpoint.memstate):
         # it outlives the workers, so a restart on this node loads from RAM.
         self.memstate = (MemStateServer(memory.max_mib << 20, self.events, memory.timeout_s)
                          if memory is not None and memory.enabled else None)
@@ -574,7 +574,7 @@ class NodeAgent:
             "ELASTIC_AGENT_ADDR": "127.0.0.1:%d" % self._sock.getsockname()[1],
             "ELASTIC_NODE_ID": self.spec.node_id,
             "ELASTIC_RUN_ID": self.spec.run_id,
-            # Workers publish checkpoint commits to etcd themselves (elastic.checkpoint).
+            # Workers publish checkpoint commits to etcd themselves (elastic.checkpoint.manager).
             "ELASTIC_ETCD_ENDPOINT": self.spec.endpoint,
             "ELASTIC_RUN_PREFIX": self.prefix,
             "ELASTIC_EPOCH": str(epoch),

@@ -1,0 +1,7 @@
+"""``python -m elastic.agent``: the per-node agent process (started by ``elastic-launch``)."""
+
+import sys
+
+from elastic.agent.node import main
+
+sys.exit(main())
