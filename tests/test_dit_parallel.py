@@ -21,7 +21,8 @@ from elastic.common.config import from_dict
 from trainer.dit import build_dit
 from trainer.dit_config import ModelConfig, ParallelConfig
 from trainer.flow import flow_loss
-from trainer.parallel import apply_context_parallel, parallelize, set_comm_mode
+from trainer.parallel import apply_context_parallel, parallelize
+from trainer.ulysses import set_comm_mode
 
 WORLD = 2
 

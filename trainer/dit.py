@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainer.dit_config import ModelConfig
+from trainer.ulysses import ulysses_all_to_all
 
 
 def patchify(x_BCHW: torch.Tensor, p: int) -> torch.Tensor:
@@ -107,8 +108,6 @@ class Attention(nn.Module):
         b, n_local, d = x_BND.shape
         qkv = self.qkv(x_BND).reshape(b, n_local, 3, self.num_heads, self.head_dim)
         if self.cp_group is not None:
-            from trainer.parallel import ulysses_all_to_all
-
             cp = dist.get_world_size(self.cp_group)
             # Sequence-sharded, all heads -> full sequence, heads/cp: split the head axis
             # into cp groups, send group j to cp rank j, concatenate received sequence chunks.
