@@ -1,12 +1,142 @@
-"""Names shared by the launcher, the agents and the rendezvous backend (no heavy imports)."""
+"""Every etcd key a run owns, built in one place.
+
+All of a run's keys live under ``<key_prefix>/runs/<run_id>`` (the run prefix), so that a run
+can be listed, inspected (``elastic status``) and cleaned up as one prefix range::
+
+    epoch                      run-wide restart epoch (int, compare-and-swap)
+    stop                       {reason, by, ts}: the run was stopped on purpose; every agent leaves
+    done                       {by, ts}: a node finished training
+    numerics                   {ranges: [{lo, hi, epoch, by}], rollbacks}: batches skipped after NaNs
+    leader                     {node, ts} on the leader's lease
+    nodes/<node>               node record on the node's lease (state, failures, metrics address)
+    heartbeat/<node>           step, step time, epoch, on the node's lease
+    excluded/<node>            exclusion record {reason, until, by, ts}
+    failures/<node>/<ms>       one record per counted failure (lemon-node policy)
+    diag/<node>                newest screen verdict
+    admission/{token,fingerprint}
+    checkpoint/latest          newest committed checkpoint (a hint; disk is the truth)
+    torchft/{lighthouse,finished}
+    rdzv/...                   torchrun rendezvous (per rendezvous id)
+
+Nothing outside this module formats a run key; callers ask :class:`RunKeys` for it.
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 BACKEND_NAME = "etcd3"
 """The ``--rdzv-backend`` name of this project's torchrun rendezvous handler."""
 DEFAULT_KEY_PREFIX = "/elastic"
 
 
+def runs_root(key_prefix: str) -> str:
+    """The prefix under which every run of ``key_prefix`` lives (``<key_prefix>/runs/``)."""
+    return f"{key_prefix.rstrip('/')}/runs/"
+
+
 def run_prefix(key_prefix: str, run_id: str) -> str:
     """Root of every key a run owns in etcd."""
-    return f"{key_prefix.rstrip('/')}/runs/{run_id}"
+    return runs_root(key_prefix) + run_id
+
+
+@dataclass(frozen=True, slots=True)
+class RunKeys:
+    """The keys of one run, from its prefix (``<key_prefix>/runs/<run_id>``)."""
+
+    prefix: str
+
+    @classmethod
+    def of(cls, key_prefix: str, run_id: str) -> RunKeys:
+        return cls(run_prefix(key_prefix, run_id))
+
+    def _k(self, *parts: str) -> str:
+        return "/".join((self.prefix.rstrip("/"), *parts))
+
+    # -- run-wide scalars -------------------------------------------------
+    @property
+    def epoch(self) -> str:
+        return self._k("epoch")
+
+    @property
+    def stop(self) -> str:
+        return self._k("stop")
+
+    @property
+    def done(self) -> str:
+        return self._k("done")
+
+    @property
+    def numerics(self) -> str:
+        return self._k("numerics")
+
+    @property
+    def leader(self) -> str:
+        return self._k("leader")
+
+    @property
+    def checkpoint_latest(self) -> str:
+        return self._k("checkpoint", "latest")
+
+    @property
+    def admission_token(self) -> str:
+        return self._k("admission", "token")
+
+    @property
+    def admission_fingerprint(self) -> str:
+        return self._k("admission", "fingerprint")
+
+    @property
+    def lighthouse(self) -> str:
+        return self._k("torchft", "lighthouse")
+
+    @property
+    def replicas_finished(self) -> str:
+        return self._k("torchft", "finished")
+
+    # -- per-node records: the key of one node, and the prefix of all -------
+    def node(self, node_id: str) -> str:
+        return self._k("nodes", node_id)
+
+    @property
+    def nodes(self) -> str:
+        return self._k("nodes", "")
+
+    def heartbeat(self, node_id: str) -> str:
+        return self._k("heartbeat", node_id)
+
+    @property
+    def heartbeats(self) -> str:
+        return self._k("heartbeat", "")
+
+    def excluded(self, node_id: str) -> str:
+        return self._k("excluded", node_id)
+
+    @property
+    def exclusions(self) -> str:
+        return self._k("excluded", "")
+
+    def failure(self, node_id: str, ts_ms: int) -> str:
+        return self._k("failures", node_id, str(ts_ms))
+
+    @property
+    def failures(self) -> str:
+        return self._k("failures", "")
+
+    def diag(self, node_id: str) -> str:
+        return self._k("diag", node_id)
+
+    # -- rendezvous ---------------------------------------------------------
+    def rdzv(self, *parts: str) -> str:
+        """Rendezvous keys (``rdzv/...``); the handlers own what lies below."""
+        return self._k("rdzv", *parts)
+
+    @property
+    def c10d_store(self) -> str:
+        """Prefix of the torch ``Store`` torchrun's agents share (rank assignment, barriers)."""
+        return self._k("c10d")
+
+    @staticmethod
+    def tail(key: str, prefix: str) -> str:
+        """``key`` without ``prefix`` (the node id of ``nodes/<node>`` and the like)."""
+        return key[len(prefix):]

@@ -1,0 +1,186 @@
+"""An in-memory :class:`~elastic.control.store.KVStore` for policy tests.
+
+It keeps etcd's semantics that the runtime's policies rely on: one global revision that every
+write moves; compare-and-swap on a key's ``mod_revision`` (0 = create-only); leases whose keys
+vanish when the lease expires or is revoked; prefix ranges in key order; and watches from a
+revision (history is kept, so a watch from an old revision sees what happened since).  Time for
+leases comes from ``clock`` (a :class:`FakeClock` in tests, so expiry needs no sleeping).
+
+It is not a substitute for etcd in end-to-end tests: no raft, no network, no outage.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from elastic.control.store import KeyValue, LeaseExpired, StoreTimeout, WatchEvent
+
+
+class FakeClock:
+    """A monotonic clock that moves only when told to."""
+
+    def __init__(self, start: float = 1_000.0) -> None:
+        self.now = start
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@dataclass
+class _Lease:
+    ttl: float
+    expires: float
+    keys: set[str] = field(default_factory=set)
+
+
+class MemoryStore:
+    """Thread-safe in-memory KVStore (see the module docstring for what it models)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self._kvs: dict[str, KeyValue] = {}
+        self._leases: dict[int, _Lease] = {}
+        self._history: list[WatchEvent] = []
+        self._revision = 1
+        self._next_lease = 0x1000
+        self._cond = threading.Condition()
+
+    # -- internals (call with the lock held) ---------------------------------
+    def _expire(self) -> None:
+        now = self.clock()
+        for lease_id in [i for i, lease in self._leases.items() if lease.expires <= now]:
+            self._drop_lease(lease_id)
+
+    def _drop_lease(self, lease_id: int) -> None:
+        for key in sorted(self._leases.pop(lease_id).keys):
+            self._delete(key)
+
+    def _write(self, key: str, value: bytes | str, lease: int | None) -> int:
+        if lease and lease not in self._leases:
+            raise LeaseExpired(f"lease {lease:x} not found")
+        data = value.encode() if isinstance(value, str) else bytes(value)
+        self._revision += 1
+        old = self._kvs.get(key)
+        self._detach(old)
+        self._kvs[key] = KeyValue(key, data, self._revision, old.create_revision if old else self._revision,
+                                  (old.version if old else 0) + 1, lease or 0)
+        if lease:
+            self._leases[lease].keys.add(key)
+        self._history.append(WatchEvent(key, data, self._revision))
+        self._cond.notify_all()
+        return self._revision
+
+    def _detach(self, kv: KeyValue | None) -> None:
+        if kv is not None and kv.lease in self._leases:
+            self._leases[kv.lease].keys.discard(kv.key)
+
+    def _delete(self, key: str) -> bool:
+        old = self._kvs.pop(key, None)
+        if old is None:
+            return False
+        self._detach(old)
+        self._revision += 1
+        self._history.append(WatchEvent(key, None, self._revision))
+        self._cond.notify_all()
+        return True
+
+    # -- KVStore ----------------------------------------------------------------
+    def get(self, key: str) -> KeyValue | None:
+        with self._cond:
+            self._expire()
+            return self._kvs.get(key)
+
+    def get_prefix(self, prefix: str) -> list[KeyValue]:
+        with self._cond:
+            self._expire()
+            return [self._kvs[k] for k in sorted(self._kvs) if k.startswith(prefix)]
+
+    def count_prefix(self, prefix: str) -> int:
+        return len(self.get_prefix(prefix))
+
+    def put(self, key: str, value: bytes | str, lease: int | None = None) -> int:
+        with self._cond:
+            self._expire()
+            return self._write(key, value, lease)
+
+    def delete(self, key: str) -> bool:
+        with self._cond:
+            return self._delete(key)
+
+    def delete_prefix(self, prefix: str) -> int:
+        with self._cond:
+            return sum(self._delete(k) for k in [k for k in self._kvs if k.startswith(prefix)])
+
+    def compare_and_swap(self, key: str, value: bytes | str, expected_mod_revision: int,
+                         lease: int | None = None) -> tuple[bool, KeyValue | None]:
+        with self._cond:
+            self._expire()
+            current = self._kvs.get(key)
+            if (current.mod_revision if current else 0) != expected_mod_revision:
+                return False, current
+            self._write(key, value, lease)
+            return True, self._kvs[key]
+
+    def add(self, key: str, amount: int) -> int:
+        """Atomic counter (what :meth:`EtcdStore.add` does with a CAS loop)."""
+        with self._cond:
+            current = self._kvs.get(key)
+            value = (int(current.value) if current else 0) + amount
+            self._write(key, str(value), None)
+            return value
+
+    def grant_lease(self, ttl: int) -> int:
+        with self._cond:
+            self._next_lease += 1
+            self._leases[self._next_lease] = _Lease(ttl, self.clock() + ttl)
+            return self._next_lease
+
+    def refresh_lease(self, lease_id: int) -> int:
+        with self._cond:
+            self._expire()
+            lease = self._leases.get(lease_id)
+            if lease is None:
+                raise LeaseExpired(f"lease {lease_id:x} expired or revoked")
+            lease.expires = self.clock() + lease.ttl
+            return int(lease.ttl)
+
+    def revoke_lease(self, lease_id: int) -> None:
+        with self._cond:
+            if lease_id in self._leases:
+                self._drop_lease(lease_id)
+
+    def revision(self) -> int:
+        with self._cond:
+            return self._revision
+
+    def watch_once(self, key: str, start_revision: int, timeout: float, prefix: bool = False) -> WatchEvent | None:
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                self._expire()
+                for event in self._history:
+                    if event.mod_revision >= start_revision and (event.key.startswith(key) if prefix
+                                                                 else event.key == key):
+                        return event
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return None
+                self._cond.wait(min(remaining, 0.05))
+
+    def wait_for_key(self, key: str, timeout: float, poll: float = 1.0) -> KeyValue:
+        deadline = time.monotonic() + timeout
+        while (kv := self.get(key)) is None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise StoreTimeout(f"key {key} did not appear within {timeout:.1f}s")
+            self.watch_once(key, self.revision() + 1, min(poll, remaining))
+        return kv
+
+    def stop_retrying(self) -> None:
+        """Nothing is retried in memory (the agent calls this on shutdown)."""

@@ -1,0 +1,235 @@
+"""A run's shared state in etcd, read and written through one object.
+
+:class:`RunState` is the only code that reads or writes a run's records (keys from
+:class:`~elastic.control.keys.RunKeys`); the agent, the leader, the launcher, ``elastic status``,
+chaos and the pre-flight screen all go through it.  It works on any
+:class:`~elastic.control.store.KVStore`, so the policies built on it (epoch, exclusions,
+rollback, leader) are tested against :class:`~elastic.control.memstore.MemoryStore` without an
+etcd binary.  Store errors propagate; callers decide whether an operation may fail quietly.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from elastic.control.keys import RunKeys
+from elastic.control.store import KeyValue, KVStore
+
+Clock = Callable[[], float]
+
+
+def decode(kv: KeyValue | None) -> dict[str, Any] | None:
+    """A JSON record, or None when absent; an unreadable record reads as ``{}`` (present, no fields)."""
+    if kv is None:
+        return None
+    try:
+        value = json.loads(kv.value)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+class Exclusions:
+    """The run's exclusion list: ``excluded/<node>`` -> JSON {reason, until, by, ts}.
+
+    ``until`` is wall-clock time (records are compared across hosts); ``clock`` is the seam
+    that lets a test expire a record without sleeping.
+    """
+
+    def __init__(self, store: KVStore, keys: RunKeys | str, clock: Clock = time.time) -> None:
+        self.store = store
+        self.keys = keys if isinstance(keys, RunKeys) else RunKeys(keys)
+        self.clock = clock
+
+    def add(self, node_id: str, reason: str, ttl_s: float | None = None, by: str = "") -> None:
+        now = self.clock()
+        until = now + ttl_s if ttl_s else None
+        self.store.put(self.keys.excluded(node_id), json.dumps({"reason": reason, "until": until, "by": by,
+                                                                "ts": now}))
+
+    def get(self, node_id: str) -> dict | None:
+        """The active exclusion record of a node, or None (expired records count as absent)."""
+        record = decode(self.store.get(self.keys.excluded(node_id)))
+        if record is None:
+            return None
+        if not record:
+            return {"reason": "unreadable exclusion record", "until": None}
+        until = record.get("until")
+        if until is not None and until < self.clock():
+            return None
+        return record
+
+    def clear(self, node_id: str) -> None:
+        self.store.delete(self.keys.excluded(node_id))
+
+    def all(self) -> dict[str, dict]:
+        base = self.keys.exclusions
+        nodes = (RunKeys.tail(kv.key, base) for kv in self.store.get_prefix(base))
+        return {node: record for node in nodes if (record := self.get(node)) is not None}
+
+
+@dataclass(frozen=True)
+class RollbackVerdict:
+    """What :meth:`RunState.record_rollback` decided: ``rollback`` (a new skip range was recorded),
+    ``duplicate`` (another node recorded this failure in this epoch) or ``stop``."""
+
+    action: str
+    reason: str = ""
+    skip: tuple[tuple[int, int], ...] = ()
+    rollbacks: int = 0
+
+
+class RunState:
+    """Typed access to one run's records in a :class:`KVStore`."""
+
+    def __init__(self, store: KVStore, keys: RunKeys, clock: Clock = time.time) -> None:
+        self.store = store
+        self.keys = keys
+        self.clock = clock
+        self.exclusions = Exclusions(store, keys, clock)
+
+    def _record(self, key: str) -> dict[str, Any] | None:
+        return decode(self.store.get(key))
+
+    def _put(self, key: str, record: dict[str, Any], lease: int | None = None) -> None:
+        self.store.put(key, json.dumps(record, default=str), lease=lease)
+
+    def _records(self, prefix: str) -> dict[str, dict[str, Any]]:
+        out = {}
+        for kv in self.store.get_prefix(prefix):
+            record = decode(kv)
+            if record:
+                out[RunKeys.tail(kv.key, prefix)] = record
+        return out
+
+    # -- epoch ----------------------------------------------------------------
+    def epoch(self) -> int:
+        kv = self.store.get(self.keys.epoch)
+        return int(kv.value) if kv else 0
+
+    def bump_epoch(self, seen: int) -> tuple[int, bool]:
+        """Move the run to epoch ``seen + 1`` unless someone already moved it.
+
+        Returns (current epoch, whether this call moved it).  One compare-and-swap, so concurrent
+        failures of several nodes bump the epoch once.
+        """
+        kv = self.store.get(self.keys.epoch)
+        current = int(kv.value) if kv else 0
+        if current != seen:
+            return current, False
+        ok, now = self.store.compare_and_swap(self.keys.epoch, str(seen + 1), kv.mod_revision if kv else 0)
+        if ok:
+            return seen + 1, True
+        return (int(now.value) if now else 0), False
+
+    # -- stop / done ------------------------------------------------------------
+    def stop_record(self) -> dict[str, Any] | None:
+        return self._record(self.keys.stop)
+
+    def request_stop(self, reason: str, by: str) -> None:
+        self._put(self.keys.stop, {"reason": reason, "by": by, "ts": self.clock()})
+
+    def done_record(self) -> dict[str, Any] | None:
+        return self._record(self.keys.done)
+
+    def mark_done(self, by: str) -> None:
+        self._put(self.keys.done, {"by": by, "ts": self.clock()})
+
+    def finished(self) -> bool:
+        """Done or stopped: nothing is left to run."""
+        return self.done_record() is not None or self.stop_record() is not None
+
+    # -- nodes, heartbeats, failures, diag ------------------------------------------
+    def put_node(self, node_id: str, record: dict[str, Any], lease: int | None = None) -> None:
+        self._put(self.keys.node(node_id), record, lease)
+
+    def nodes(self) -> dict[str, dict[str, Any]]:
+        return self._records(self.keys.nodes)
+
+    def put_heartbeat(self, node_id: str, record: dict[str, Any], lease: int | None = None) -> None:
+        self._put(self.keys.heartbeat(node_id), record, lease)
+
+    def heartbeats(self, epoch: int | None = None) -> dict[str, dict[str, Any]]:
+        """Node heartbeats, only those of ``epoch`` when given (nodes of the same membership)."""
+        beats = self._records(self.keys.heartbeats)
+        return beats if epoch is None else {n: hb for n, hb in beats.items() if hb.get("epoch") == epoch}
+
+    def record_failure(self, node_id: str, kind: str, epoch: int) -> None:
+        now = self.clock()
+        self._put(self.keys.failure(node_id, int(now * 1000)), {"ts": now, "kind": kind, "epoch": epoch})
+
+    def failures(self) -> dict[str, list[float]]:
+        """Counted failure times per node (the lemon-node policy's input)."""
+        out: dict[str, list[float]] = {}
+        base = self.keys.failures
+        for kv in self.store.get_prefix(base):
+            node = RunKeys.tail(kv.key, base).split("/", 1)[0]
+            try:
+                out.setdefault(node, []).append(float(json.loads(kv.value)["ts"]))
+            except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+                continue
+        return out
+
+    def put_diag(self, node_id: str, record: dict[str, Any] | str) -> None:
+        value = record if isinstance(record, str) else json.dumps(record, default=str)
+        self.store.put(self.keys.diag(node_id), value)
+
+    def leader(self) -> str | None:
+        return (self._record(self.keys.leader) or {}).get("node")
+
+    # -- checkpoint pointer -----------------------------------------------------------
+    def latest_checkpoint(self) -> dict[str, Any] | None:
+        """The newest committed checkpoint published by the trainers (a hint; disk is the truth)."""
+        record = self._record(self.keys.checkpoint_latest)
+        return record if record else None
+
+    def publish_checkpoint(self, record: dict[str, Any]) -> None:
+        self._put(self.keys.checkpoint_latest, record)
+
+    # -- numerics rollback ----------------------------------------------------------------
+    def skip_ranges(self) -> list[tuple[int, int]]:
+        record = self._record(self.keys.numerics) or {}
+        return [(int(r["lo"]), int(r["hi"])) for r in record.get("ranges", [])]
+
+    def skip_spec(self) -> str:
+        """The skip ranges as the workers read them (``"12-12,30-31"``)."""
+        return ",".join(f"{lo}-{hi}" for lo, hi in self.skip_ranges())
+
+    def record_rollback(self, bad_step: int, epoch: int, by: str, skip_before: int,
+                        max_rollbacks: int) -> RollbackVerdict:
+        """Record the batch range to skip after bad numerics at ``bad_step``.
+
+        Every rank of a synchronous job sees the same NaN, so several agents report one failure:
+        the range is written with a compare-and-swap, and an agent finding its step already
+        recorded *for this epoch* is looking at the same failure.  The same step failing in a
+        later epoch is a repeat, and the run stops.
+        """
+        while True:
+            kv = self.store.get(self.keys.numerics)
+            record = json.loads(kv.value) if kv else {"ranges": [], "rollbacks": 0}
+            verdict = _judge_rollback(record, bad_step, epoch, max_rollbacks)
+            if verdict is not None:
+                return verdict
+            record["ranges"].append({"lo": max(1, bad_step - skip_before), "hi": bad_step, "epoch": epoch, "by": by})
+            record["rollbacks"] += 1
+            ok, _ = self.store.compare_and_swap(self.keys.numerics, json.dumps(record), kv.mod_revision if kv else 0)
+            if ok:
+                skip = tuple((r["lo"], r["hi"]) for r in record["ranges"])
+                return RollbackVerdict("rollback", skip=skip, rollbacks=record["rollbacks"])
+
+
+def _judge_rollback(record: dict[str, Any], bad_step: int, epoch: int, max_rollbacks: int) -> RollbackVerdict | None:
+    """The verdict when the record already decides it (duplicate, repeat, budget spent), else None."""
+    for r in record["ranges"]:
+        if r["lo"] <= bad_step <= r["hi"]:
+            if r["epoch"] == epoch:
+                return RollbackVerdict("duplicate", f"step {bad_step} already rolled back by {r['by']}")
+            return RollbackVerdict("stop", f"numerics failure repeats at step {bad_step} after skipping it")
+    if record["rollbacks"] >= max_rollbacks:
+        return RollbackVerdict("stop", f"numerics: {record['rollbacks']} rollbacks already "
+                                       f"(max_rollbacks={max_rollbacks})")
+    return None
