@@ -47,7 +47,8 @@ MODES = ("memory", "memory_swapped", "disk_warm", "disk_cold")
 
 
 def _launch(args: argparse.Namespace) -> int:
-    from elastic.checkpoint.memstate import MEMSTATE_ADDR_ENV, MEMSTATE_TOKEN_ENV, MemStateServer
+    from elastic.checkpoint.memstate import MemStateServer
+    from elastic.common.env import MEMSTATE_ADDR_ENV, MEMSTATE_TOKEN_ENV
 
     servers = [MemStateServer(max_bytes=64 << 30) for _ in range(args.world)]
     with socket.socket() as sock:

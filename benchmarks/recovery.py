@@ -46,7 +46,7 @@ from recovery_torchrun import env, make_config, run_c10d_nodes, wait_step
 
 from elastic.common.events import read_run_events
 
-REPLICA_OVERRIDES = {"launch.entrypoint": ["-m", "trainer.ft_train"], "replicas.enabled": True,
+REPLICA_OVERRIDES = {"replicas.enabled": True,
                      "replicas.heartbeat_timeout_ms": 1000, "replicas.join_timeout_ms": 500}
 # The diag screen (before joining, and again after a worker_signal failure) is a policy of both
 # runtime modes, not part of the recovery mechanism; plain torchrun has none.  Off unless --preflight.

@@ -36,7 +36,7 @@ sys.path.insert(0, str(REPO))
 from elastic.control.etcd_server import free_port  # noqa: E402
 from elastic.common.events import read_run_events  # noqa: E402
 from elastic.common.procs import descendants, terminate_tree  # noqa: E402
-from launch.config import dump_config, load_config  # noqa: E402
+from elastic.run.schema import dump_run_file, load_run_file  # noqa: E402
 from elastic.common.config import override  # noqa: E402
 
 T = TypeVar("T")
@@ -44,7 +44,7 @@ T = TypeVar("T")
 
 def make_config(args, run_dir: Path, run_id: str, extra: dict | None = None) -> Path:
     """The benchmark's run config; ``extra`` adds dotted overrides (e.g. replica-group mode)."""
-    cfg = load_config(REPO / "examples" / "mlp-tiny.yaml")
+    cfg = load_run_file(REPO / "examples" / "mlp-tiny.yaml")
     for key, value in {
         "run.id": run_id, "run.dir": str(run_dir), "launch.nodes": str(args.nodes),
         "trainer.steps": args.steps, "trainer.step_sleep": args.step_sleep,
@@ -53,7 +53,7 @@ def make_config(args, run_dir: Path, run_id: str, extra: dict | None = None) -> 
         cfg = override(cfg, key, value)
     cfg.fingerprint = cfg.compute_fingerprint()
     path = run_dir.parent / f"{run_id}.yaml"
-    dump_config(cfg, path)
+    dump_run_file(cfg, path)
     return path
 
 

@@ -34,6 +34,7 @@ from typing import Any, Callable, ClassVar, Literal
 import yaml
 
 from chaos.follow import RunFollower, parse_target
+from elastic.run.schema import RESOLVED_NAME, load_run_file
 from elastic.worker.faults import FAULTS_DIR, write_fault
 from elastic.common.procs import alive
 
@@ -418,16 +419,11 @@ class CorruptCheckpoint(Injector):
 
 
 def checkpoint_root(run_dir: Path) -> Path:
-    """The run's checkpoint directory (``checkpoint.dir`` of the resolved config, else the default)."""
-    resolved = Path(run_dir) / "config.yaml"
-    rel = "checkpoints"
-    if resolved.is_file():
-        try:
-            rel = (yaml.safe_load(resolved.read_text()) or {}).get("checkpoint", {}).get("dir") or rel
-        except yaml.YAMLError:
-            pass
-    path = Path(rel)
-    return path if path.is_absolute() else Path(run_dir) / path
+    """The run's checkpoint directory: ``checkpoint.dir`` of the run file the launcher wrote into the
+    run directory (relative to the run directory unless absolute); the default when there is none."""
+    resolved = Path(run_dir) / RESOLVED_NAME
+    cfg = load_run_file(resolved) if resolved.is_file() else load_run_file(None)
+    return cfg.checkpoint.root(run_dir)
 
 
 # -- etcd -------------------------------------------------------------------------------

@@ -29,7 +29,7 @@ from chaos.injectors import InjectionContext, Injector, TargetNotFound
 from chaos.plan import FaultSpec
 from elastic.common.events import EventLog, read_run_events
 from elastic.worker.faults import FAULTS_DIR
-from elastic.control.keys import run_prefix
+from elastic.control.keys import RunKeys, run_prefix
 
 CHAOS_DIR = "chaos"
 
@@ -63,7 +63,7 @@ def resolve_launch(command: list[str]) -> LaunchSpec:
         raise ValueError("chaos run drives local launches only (no --etcd-endpoint)")
     nodes = [f"node{i}" for i in range(cfg.launch.max_nodes)]
     return LaunchSpec([sys.executable, "-m", "launch", *rest], Path(cfg.run_dir()).resolve(), nodes,
-                      cfg.trainer.steps, run_prefix(cfg.rendezvous.key_prefix, cfg.run.id))
+                      cfg.trainer_steps(), run_prefix(cfg.rendezvous.key_prefix, cfg.run.id))
 
 
 @dataclass
@@ -231,7 +231,7 @@ class ExclusionWatcher(threading.Thread):
         from elastic.control.store import EtcdStore
 
         self.store = EtcdStore(endpoint, request_timeout=1.0, retry_deadline=1.0)
-        self.prefix = f"{prefix}/excluded/"
+        self.prefix = RunKeys(prefix).exclusions
         self.events = events
         self.interval_s = interval_s
         self._halt = threading.Event()
@@ -242,7 +242,7 @@ class ExclusionWatcher(threading.Thread):
 
         while not self._halt.is_set():
             try:
-                records = {kv.key[len(self.prefix):]: _text(kv.value) for kv in self.store.get_prefix(self.prefix)}
+                records = {RunKeys.tail(kv.key, self.prefix): _text(kv.value) for kv in self.store.get_prefix(self.prefix)}
             except StoreError:
                 records = self.seen
             if records != self.seen:

@@ -12,7 +12,6 @@ a 2-rank gloo all-reduce of 1 MiB); pass ``checks=[...]`` to run a subset.
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import time
@@ -23,6 +22,8 @@ from diagnostics import checks as registry
 from diagnostics.readers import HardwareReader, InjectedReader, default_reader
 from diagnostics.report import Report
 from diagnostics.thresholds import Thresholds, load_thresholds
+from elastic.control.keys import RunKeys
+from elastic.control.runstate import RunState
 
 MODES = ("quick", "full")
 #: How long NVML is listened to for Xid events during a screen (the kernel log covers earlier ones).
@@ -72,22 +73,15 @@ def exclude_if_failed(report: Report, store: Any, run_prefix: str, node_id: str,
     """Record ``report`` under ``<run_prefix>/diag/<node_id>``; if it failed, exclude the node.
 
     The exclusion record at ``<run_prefix>/excluded/<node_id>`` has the format
-    :class:`elastic.agent.node.Exclusions` reads (``reason``, ``until``, ``by``,
+    :class:`elastic.control.runstate.Exclusions` reads (``reason``, ``until``, ``by``,
     ``ts``) plus ``report`` (the summary).  ``until`` is ``ts + ttl_s``, or None
     (no expiry) when ``ttl_s`` is None or 0.  Returns True when the node was
     excluded.  Store errors propagate (the caller decides whether to fail open).
     """
-    prefix = run_prefix.rstrip("/")
-    store.put(f"{prefix}/diag/{node_id}", report.to_json())
+    state = RunState(store, RunKeys(run_prefix))
+    state.put_diag(node_id, report.to_json())
     if report.verdict != "fail":
         return False
-    now = time.time()
-    record = {
-        "reason": "diag: " + "; ".join(report.failures),
-        "until": now + ttl_s if ttl_s else None,
-        "by": "diag",
-        "ts": now,
-        "report": report.summary(),
-    }
-    store.put(f"{prefix}/excluded/{node_id}", json.dumps(record, default=str))
+    state.exclusions.add(node_id, "diag: " + "; ".join(report.failures), ttl_s=ttl_s, by="diag",
+                         report=report.summary())
     return True

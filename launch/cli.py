@@ -18,7 +18,7 @@ import yaml
 from elastic.common.cli_errors import OneLineArgumentParser
 from elastic.common.config import ConfigError, override
 from elastic.control.store import StoreError
-from launch.config import RunConfig, load_config
+from elastic.run.schema import RunConfig, load_run_file
 from launch.security import add_security_flags, apply_security_flags, prepare_etcd_access
 
 
@@ -54,7 +54,7 @@ _FLAG_FIELDS = {
 
 
 def resolve_config(args: argparse.Namespace) -> RunConfig:
-    cfg = load_config(args.config)
+    cfg = load_run_file(args.config)
     for attr, dotted in _FLAG_FIELDS.items():
         value = getattr(args, attr)
         if value is not None:
@@ -72,6 +72,7 @@ def resolve_config(args: argparse.Namespace) -> RunConfig:
         except yaml.YAMLError:
             raise ConfigError(f"--set {key}", f"cannot parse value {raw!r}") from None
         cfg = override(cfg, key.strip(), value)
+    cfg.check_launch()
     return cfg
 
 

@@ -25,14 +25,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from elastic.agent.node import EXIT_EXCLUDED, Exclusions
+from elastic.agent.node import EXIT_EXCLUDED
 from elastic.control.etcd_server import EmbeddedEtcd
 from elastic.common.events import EventLog, read_run_events
 from elastic.run.goodput import compute_goodput, format_goodput
-from elastic.control.keys import run_prefix
+from elastic.control.keys import RunKeys
+from elastic.control.runstate import RunState
 from elastic.control.store import EtcdStore, StoreError
 from elastic.common.procs import child_preexec, descendants, terminate_tree
-from launch.config import RunConfig, dump_config
+from elastic.run.schema import RESOLVED_NAME, RunConfig, dump_run_file
 
 if TYPE_CHECKING:
     from launch.status import LiveStatus
@@ -112,8 +113,8 @@ class Launcher:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             self._archive_previous()
             self.cfg.fingerprint = self.cfg.compute_fingerprint()
-            config_path = self.run_dir / "config.resolved.yaml"
-            dump_config(self.cfg, config_path)
+            config_path = self.run_dir / RESOLVED_NAME
+            dump_run_file(self.cfg, config_path)
             endpoint = self._endpoint()
             self.events.emit("launcher.start", run_id=self.cfg.run.id, nodes=self.cfg.launch.nodes,
                              endpoint=endpoint, local=self.etcd is not None)
@@ -171,21 +172,20 @@ class Launcher:
     def _wait_agents(self, endpoint: str, config_path: Path) -> None:
         respawn = self.cfg.launch.respawn_excluded and not self.cfg.launch.etcd_endpoint
         store = EtcdStore(endpoint, retry_deadline=2.0)
-        prefix = run_prefix(self.cfg.rendezvous.key_prefix, self.cfg.run.id)
-        exclusions = Exclusions(store, prefix)
+        state = RunState(store, RunKeys.of(self.cfg.rendezvous.key_prefix, self.cfg.run.id))
         live = None
         if self.live:
             from launch.status import LiveStatus
 
-            live = LiveStatus(store, prefix)
+            live = LiveStatus(store, state.keys.prefix)
         try:
-            self._poll_agents(endpoint, config_path, store, prefix, exclusions, respawn, live)
+            self._poll_agents(endpoint, config_path, state, respawn, live)
         finally:
             if live is not None:
                 live.close()
 
-    def _poll_agents(self, endpoint: str, config_path: Path, store: EtcdStore, prefix: str,
-                     exclusions: Exclusions, respawn: bool, live: LiveStatus | None) -> None:
+    def _poll_agents(self, endpoint: str, config_path: Path, state: RunState, respawn: bool,
+                     live: LiveStatus | None) -> None:
         next_check = 0.0
         while True:
             if live is not None:
@@ -204,9 +204,9 @@ class Launcher:
             if respawn and time.monotonic() >= next_check:
                 next_check = time.monotonic() + 0.5
                 try:
-                    done = store.get(f"{prefix}/done") is not None or store.get(f"{prefix}/stop") is not None
+                    done = state.finished()
                     for i, agent in enumerate(self.agents):
-                        if agent.rc == EXIT_EXCLUDED and not done and exclusions.get(agent.node_id) is None:
+                        if agent.rc == EXIT_EXCLUDED and not done and state.exclusions.get(agent.node_id) is None:
                             self.events.emit("launcher.agent_respawn", node=agent.node_id)
                             self.agents[i] = self._spawn_agent(agent.node_id, endpoint, config_path)
                 except StoreError as exc:
@@ -267,7 +267,7 @@ class Launcher:
             "run_dir": str(self.run_dir),
             "nodes": {a.node_id: a.rc for a in self.agents},
             "wall_s": round(wall_s, 2),
-            "steps_target": self.cfg.trainer.steps,
+            "steps_target": self.cfg.trainer_steps(),
             "last_step": max((e["step"] for e in steps), default=0),
             "step_events": len(steps),
             "failures": [{"node": e["source"], "failure_kind": e.get("failure_kind"), "rc": e.get("rc"),

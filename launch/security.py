@@ -13,7 +13,7 @@ import os
 
 from elastic.common.config import ConfigError, from_dict, to_dict
 from elastic.control.etcd_security import CA_ENV, CERT_ENV, KEY_ENV, PASSWORD_ENV, USER_ENV
-from launch.config import RunConfig
+from elastic.run.schema import RunConfig
 
 # flag -> dotted config field
 SECURITY_FLAGS = {

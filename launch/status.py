@@ -14,35 +14,22 @@ Used by ``elastic status`` and by the live table of ``elastic-launch``.
 
 from __future__ import annotations
 
-import json
 import time
 from typing import Any
 
-from elastic.agent.node import Exclusions
-from elastic.checkpoint.publish import read_latest
-from elastic.control.keys import run_prefix
+from elastic.control.keys import RunKeys, run_prefix, runs_root
+from elastic.control.runstate import RunState
 from elastic.control.store import KVStore, StoreError
-
-
-def _json(kv) -> dict[str, Any]:
-    if kv is None:
-        return {}
-    try:
-        value = json.loads(kv.value)
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        return {}
-    return value if isinstance(value, dict) else {}
-
 
 _AGENT_KEYS = frozenset({"nodes", "heartbeat", "excluded", "checkpoint", "epoch", "leader", "done", "stop"})
 
 
 def list_runs(store: KVStore, key_prefix: str) -> list[str]:
     """Run ids with agent keys under ``key_prefix`` (torchrun's per-epoch rendezvous ids are not runs)."""
-    root = f"{key_prefix.rstrip('/')}/runs/"
+    root = runs_root(key_prefix)
     runs = set()
     for kv in store.get_prefix(root):
-        run, _, rest = kv.key[len(root):].partition("/")
+        run, _, rest = RunKeys.tail(kv.key, root).partition("/")
         if rest.split("/", 1)[0] in _AGENT_KEYS:
             runs.add(run)
     return sorted(runs)
@@ -50,29 +37,25 @@ def list_runs(store: KVStore, key_prefix: str) -> list[str]:
 
 def read_status(store: KVStore, prefix: str) -> dict[str, Any]:
     """Everything ``elastic status`` shows for the run rooted at ``prefix`` (StoreError if etcd is down)."""
+    state = RunState(store, RunKeys(prefix))
+    nodes = {name: {"state": rec.get("state"), "host": rec.get("host"), "failures": rec.get("failures"),
+                    "metrics": rec.get("metrics")} for name, rec in state.nodes().items()}
     now = time.time()
-    nodes: dict[str, dict[str, Any]] = {}
-    for kv in store.get_prefix(f"{prefix}/nodes/"):
-        rec = _json(kv)
-        nodes[kv.key.rsplit("/", 1)[1]] = {"state": rec.get("state"), "host": rec.get("host"),
-                                           "failures": rec.get("failures"), "metrics": rec.get("metrics")}
-    for kv in store.get_prefix(f"{prefix}/heartbeat/"):
-        hb = _json(kv)
-        node = nodes.setdefault(kv.key.rsplit("/", 1)[1], {"state": hb.get("state")})
+    for name, hb in state.heartbeats().items():
+        node = nodes.setdefault(name, {"state": hb.get("state")})
         step_time = hb.get("step_time")
         node.update({"step": hb.get("step"), "loss": hb.get("loss"), "step_time": step_time,
                      "steps_per_s": (1.0 / step_time) if step_time else None, "epoch": hb.get("epoch"),
                      "heartbeat_age_s": round(now - hb["ts"], 3) if hb.get("ts") else None})
-    epoch = store.get(f"{prefix}/epoch")
     return {
         "prefix": prefix,
-        "epoch": int(epoch.value) if epoch is not None else 0,
-        "leader": _json(store.get(f"{prefix}/leader")).get("node"),
+        "epoch": state.epoch(),
+        "leader": state.leader(),
         "nodes": dict(sorted(nodes.items())),
-        "excluded": Exclusions(store, prefix).all(),  # type: ignore[arg-type]
-        "checkpoint": read_latest(store, prefix),
-        "done": store.get(f"{prefix}/done") is not None,
-        "stop": _json(store.get(f"{prefix}/stop")) or None,
+        "excluded": state.exclusions.all(),
+        "checkpoint": state.latest_checkpoint(),
+        "done": state.done_record() is not None,
+        "stop": state.stop_record() or None,
     }
 
 

@@ -7,9 +7,10 @@ import subprocess
 import sys
 import time
 
-from elastic.agent.node import EXIT_EXCLUDED, Exclusions
+from elastic.agent.node import EXIT_EXCLUDED
+from elastic.control.runstate import Exclusions
 from elastic.common.events import read_run_events
-from elastic.control.keys import run_prefix
+from elastic.control.keys import RunKeys, run_prefix
 from elastic.control.store import EtcdStore
 from tests.launch_helpers import write_run_config
 
@@ -28,7 +29,7 @@ def test_excluded_node_refuses_to_start(etcd_endpoint, tmp_path, subprocess_env)
     states = [e["state"] for e in read_run_events(run_dir) if e["kind"] == "agent.state"]
     assert states == ["EXCLUDED"]
     assert not (run_dir / "torchrun").exists()  # torchrun was never started
-    assert store.get(f"{run_prefix('/elastic', 'excl')}/nodes/node7") is None  # never registered
+    assert store.get(RunKeys.of('/elastic', 'excl').node("node7")) is None  # never registered
 
 
 def test_exclusions_expire_and_clear(etcd_endpoint):

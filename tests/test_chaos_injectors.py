@@ -254,6 +254,27 @@ def test_corrupt_checkpoint_damages_the_newest_commit_so_verify_rejects_it(tmp_p
     assert verdicts[4] is None and "checksum mismatch" in verdicts[8]
 
 
+def test_corrupt_checkpoint_follows_a_custom_checkpoint_dir(tmp_path):
+    """The launcher's run file (config.resolved.yaml) names checkpoint.dir: chaos must use it, not the default."""
+    import torch
+
+    from chaos.analysis import verify_committed
+    from chaos.injectors import checkpoint_root
+    from elastic.checkpoint.manager import CheckpointConfig, CheckpointManager
+    from elastic.common.config import override
+    from elastic.run.schema import RESOLVED_NAME, RunConfig, dump_run_file
+
+    dump_run_file(override(RunConfig(), "checkpoint.dir", "ckpt-elsewhere"), tmp_path / RESOLVED_NAME)
+    assert checkpoint_root(tmp_path) == tmp_path / "ckpt-elsewhere"
+    manager = CheckpointManager(CheckpointConfig(dir="ckpt-elsewhere"), checkpoint_root(tmp_path))
+    manager.save(4, {"app": {"w": torch.arange(4096, dtype=torch.float32)}})
+    manager.close()
+    record = injector("corrupt_checkpoint", "any", mode="flip").inject(make_ctx(tmp_path))
+    assert Path(record.detail["file"]).parent.parent == tmp_path / "ckpt-elsewhere"
+    assert "checksum mismatch" in verify_committed(checkpoint_root(tmp_path))[4]
+    assert not (tmp_path / "checkpoints").exists()
+
+
 def test_corrupt_checkpoint_without_a_commit_is_not_found(tmp_path):
     (tmp_path / "checkpoints" / ".step-00000004.tmp-1").mkdir(parents=True)
     with pytest.raises(TargetNotFound):
@@ -308,7 +329,7 @@ def test_etcd_outage_kill_restarts_it_with_its_data(tmp_path, etcd_server):
 
 def test_exclusion_watcher_copies_etcd_exclusion_records_into_events(tmp_path, etcd_server):
     from chaos.runner import ExclusionWatcher
-    from elastic.agent.node import Exclusions
+    from elastic.control.runstate import Exclusions
     from elastic.common.events import EventLog, read_run_events
     from elastic.control.store import EtcdStore
 

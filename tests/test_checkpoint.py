@@ -14,17 +14,13 @@ from torch import nn
 
 from elastic.checkpoint.manager import CheckpointConfig, CheckpointCorrupt, CheckpointManager, select_for_deletion
 from elastic.checkpoint.format import encode_safetensors
-from elastic.checkpoint.publish import EtcdCheckpointPublisher, latest_key, publisher_from_env, read_latest
-from elastic.checkpoint.storage import (
-    FAIL_WRITE_ENV,
-    FaultInjectingStorage,
-    LocalStorage,
-    parse_fail_write,
-    storage_for_save,
-)
+from elastic.checkpoint.publish import EtcdCheckpointPublisher, publisher_from_env, read_latest
+from elastic.control.keys import RunKeys
+from elastic.checkpoint.storage import FaultInjectingStorage, LocalStorage
+from elastic.worker.faults import FaultHooks, write_fault
 from elastic.common.events import EventLog, read_events
 from elastic.control.store import EtcdStore
-from elastic.worker.channel import ETCD_ENDPOINT_ENV, RUN_PREFIX_ENV
+from elastic.common.env import ETCD_ENDPOINT_ENV, RUN_PREFIX_ENV
 
 # DCP says so whenever it runs without a process group, which is the point here.
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -97,27 +93,26 @@ def test_select_for_deletion_keeps_last_k_and_newest():
     assert select_for_deletion([3], keep_last=1) == []
 
 
-def test_fail_write_spec_parsing():
-    assert parse_fail_write("12") == {12: None}
-    assert parse_fail_write("12:1, 12:3,20") == {12: {1, 3}, 20: None}
-    assert parse_fail_write("5,5:1") == {5: None}
-    with pytest.raises(ValueError):
-        parse_fail_write("x")
-    base = LocalStorage()
-    assert storage_for_save(base, 0, {}) is base
-    wrapped = storage_for_save(base, 1, {FAIL_WRITE_ENV: "3:1"})
-    assert isinstance(wrapped, FaultInjectingStorage) and wrapped.faults == {3: {1}}
+def test_checkpoint_write_faults_come_from_the_run_fault_files_per_step_and_rank(tmp_path):
+    write_fault(tmp_path, "disk", {"kind": "ckpt_write_error", "step": 3, "rank": 1})
+    rank0, rank1 = FaultHooks(tmp_path, 0), FaultHooks(tmp_path, 1)
+    assert not rank0.checkpoint_write_fails(3)  # another rank's fault
+    assert not rank1.checkpoint_write_fails(4)  # another step
+    assert rank1.checkpoint_write_fails(3)
+    assert not rank1.checkpoint_write_fails(3)  # fired once: the replay after a restart runs clean
 
 
 def test_injected_disk_full_is_a_real_partial_write(tmp_path):
-    storage = FaultInjectingStorage(LocalStorage(), {3: {1}}, rank=1)
+    write_fault(tmp_path, "disk", {"kind": "ckpt_write_error", "step": 3, "rank": 1})
+    storage = FaultInjectingStorage(LocalStorage(), FaultHooks(tmp_path, 1).checkpoint_write_fails)
     target = tmp_path / "f.bin"
     with pytest.raises(OSError) as info:
         storage.write_file(target, [b"x" * 100, b"y" * 100], step=3)
     assert info.value.errno == errno.ENOSPC
     assert target.read_bytes() == b"x" * 50  # half of the first chunk reached the disk
     assert storage.write_file(target, [b"ok"], step=4) == 2  # other steps are untouched
-    other_rank = FaultInjectingStorage(LocalStorage(), {3: {1}}, rank=0)
+    write_fault(tmp_path, "disk2", {"kind": "ckpt_write_error", "step": 3, "rank": 1})
+    other_rank = FaultInjectingStorage(LocalStorage(), FaultHooks(tmp_path, 0).checkpoint_write_fails)
     assert other_rank.write_file(target, [b"ok"], step=3) == 2
 
 
@@ -258,7 +253,7 @@ def test_etcd_publisher_and_env(etcd_endpoint, tmp_path):
     record = read_latest(store, prefix)
     assert record["step"] == 12 and record["path"] == "/ckpt/step-00000012" and record["world_size"] == 4
     assert record["ts"] > 0
-    assert json.loads(store.get(latest_key(prefix)).value)["step"] == 12
+    assert json.loads(store.get(RunKeys(prefix).checkpoint_latest).value)["step"] == 12
 
     assert publisher_from_env({}) is None
     assert publisher_from_env({ETCD_ENDPOINT_ENV: etcd_endpoint}) is None

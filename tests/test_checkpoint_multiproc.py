@@ -1,7 +1,7 @@
 """Multi-process checkpoint tests: real gloo ranks, FSDP2, real etcd, real files.
 
 Each test starts one Python process per rank running a scenario from
-``tests/test_checkpoint_worker.py`` and then checks exit codes, the event
+``tests/workers/checkpoint_worker.py`` and then checks exit codes, the event
 logs and what is left on disk.
 """
 
@@ -17,9 +17,10 @@ from pathlib import Path
 
 import pytest
 
+from elastic.worker.faults import write_fault
 from elastic.common.events import read_events
 
-WORKER = Path(__file__).with_name("test_checkpoint_worker.py")
+WORKER = Path(__file__).parent / "workers" / "checkpoint_worker.py"
 
 
 def _free_port() -> int:
@@ -59,7 +60,8 @@ def _index(events: list[dict], kind: str, **match) -> int:
 
 
 def test_async_save_retention_disk_full_corruption_publish(tmp_path, subprocess_env, etcd_endpoint):
-    env = dict(subprocess_env, ELASTIC_CKPT_FAIL_WRITE="8:1", TEST_CKPT_ETCD=etcd_endpoint)
+    write_fault(tmp_path, "disk-full", {"kind": "ckpt_write_error", "step": 8, "rank": 1})
+    env = dict(subprocess_env, TEST_CKPT_ETCD=etcd_endpoint)
     codes = run_ranks("main", 2, tmp_path, env, timeout=80)
     assert codes == [0, 0], _logs(tmp_path, "main")
     ev0 = read_events([tmp_path / "events-rank0.jsonl"])  # one writer: file order == emit order

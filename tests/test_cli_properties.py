@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from elastic.common.config import from_dict, to_dict
-from launch.config import RunConfig
+from elastic.run.schema import RunConfig
 
 SETTINGS = settings(max_examples=30, deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.too_slow])

@@ -13,7 +13,8 @@ import yaml
 from diagnostics.cli import build_parser as diag_parser
 from launch.cli import build_parser as launch_parser
 from launch.cli import resolve_config
-from launch.config import DiTRunConfig, load_config
+from elastic.run.schema import load_run_file
+from trainer.dit_config import DiTTrainerConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 SLURM = ROOT / "examples" / "slurm"
@@ -80,8 +81,8 @@ def test_k8s_manifests_structure_and_commands(tmp_path):
 
 
 def test_64_node_config_loads():
-    cfg = load_config(ROOT / "examples" / "dit-64node.yaml")
-    assert isinstance(cfg, DiTRunConfig)
+    cfg = load_run_file(ROOT / "examples" / "dit-64node.yaml")
+    assert cfg.workload().name == "dit" and isinstance(cfg.trainer, DiTTrainerConfig)
     assert (cfg.launch.min_nodes, cfg.launch.max_nodes, cfg.launch.nproc_per_node) == (63, 64, 8)
     for nodes in (63, 64):
         assert cfg.trainer.check_world(nodes * 8) == (nodes, 8)
@@ -95,9 +96,9 @@ def test_cluster_mode_launcher_per_host(tmp_path):
     from elastic.common.config import override
     from launch.local import Launcher
 
-    local = Launcher(load_config(None), tmp_path)
+    local = Launcher(load_run_file(None), tmp_path)
     assert local.local_addr() == "127.0.0.1" and local.events.path.name == "launcher.jsonl"
-    cfg = override(override(load_config(None), "launch.etcd_endpoint", "127.0.0.1:1"), "launch.node_id", "h7")
+    cfg = override(override(load_run_file(None), "launch.etcd_endpoint", "127.0.0.1:1"), "launch.node_id", "h7")
     cluster = Launcher(cfg, tmp_path)
     assert cluster.node_ids() == ["h7"] and cluster.local_addr() == socket.getfqdn()
     assert cluster.events.path.name == "launcher-h7.jsonl"

@@ -9,7 +9,7 @@ import pytest
 
 from elastic.common.config import ConfigError
 from launch.cli import build_parser, resolve_config
-from launch.config import load_config, parse_nodes
+from elastic.run.schema import load_run_file, parse_nodes
 
 
 def write(tmp_path, text: str):
@@ -19,7 +19,7 @@ def write(tmp_path, text: str):
 
 
 def test_example_config_loads():
-    cfg = load_config("examples/mlp-tiny.yaml")
+    cfg = load_run_file("examples/mlp-tiny.yaml")
     assert cfg.launch.max_nodes == 4 and cfg.trainer.steps == 40 and cfg.checkpoint.interval_steps == 10
 
 
@@ -37,7 +37,7 @@ def test_example_config_loads():
 ])
 def test_bad_values_name_the_field(tmp_path, text, field):
     with pytest.raises(ConfigError) as info:
-        load_config(write(tmp_path, text))
+        load_run_file(write(tmp_path, text))
     message = str(info.value)
     assert message.startswith(field + ":"), message
     assert "\n" not in message
@@ -45,7 +45,7 @@ def test_bad_values_name_the_field(tmp_path, text, field):
 
 def test_invalid_yaml_names_the_line(tmp_path):
     with pytest.raises(ConfigError, match="invalid YAML at line 2"):
-        load_config(write(tmp_path, "run:\n  id: a: b\n"))
+        load_run_file(write(tmp_path, "run:\n  id: a: b\n"))
 
 
 def test_cli_flags_override_yaml():
@@ -81,14 +81,25 @@ def test_launcher_config_errors_are_one_line_exit_2(argv, needle, subprocess_env
 
 
 def test_dit_example_selects_the_dit_schema():
-    from launch.config import DiTRunConfig
+    from trainer.dit_config import DiTTrainerConfig
 
-    cfg = load_config("examples/tiny.yaml")
-    assert isinstance(cfg, DiTRunConfig) and cfg.trainer.model.preset == "tiny"
-    assert cfg.launch.entrypoint == ["-m", "trainer.dit_train"]
+    cfg = load_run_file("examples/tiny.yaml")
+    assert cfg.workload().name == "dit"
+    assert isinstance(cfg.trainer, DiTTrainerConfig) and cfg.trainer.model.preset == "tiny"
+    assert cfg.entrypoint() == ["-m", "trainer.dit_train"]
+
+
+def test_a_custom_entrypoint_passes_its_trainer_section_through_unread(tmp_path):
+    cfg = load_run_file(write(tmp_path, "launch:\n  entrypoint: [-m, my.trainer]\ntrainer:\n  anything: [1, 2]\n"))
+    assert cfg.workload() is None and cfg.trainer == {"anything": [1, 2]}
+    assert cfg.entrypoint() == ["-m", "my.trainer"]
+    with pytest.raises(ConfigError, match=r"^launch.workload: unknown workload 'nope' \(known: dit, mlp\)"):
+        load_run_file(write(tmp_path, "launch:\n  workload: nope\n"))
+    with pytest.raises(ConfigError, match=r"^launch.entrypoint: give launch.workload or launch.entrypoint"):
+        load_run_file(write(tmp_path, "launch:\n  workload: dit\n  entrypoint: [-m, x]\n"))
 
 
 def test_dit_batch_must_split_over_every_elastic_world_size(tmp_path):
     text = open("examples/tiny.yaml").read().replace('nodes: "4"', 'nodes: "2:3"')
     with pytest.raises(ConfigError, match=r"trainer.global_batch_size: .*at 3 nodes"):
-        load_config(write(tmp_path, text))
+        load_run_file(write(tmp_path, text)).check_launch()

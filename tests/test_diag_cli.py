@@ -12,7 +12,7 @@ import pytest
 from diagnostics.cli import main
 from diagnostics.preflight import exclude_if_failed, run_screen
 from diagnostics.thresholds import load_thresholds
-from elastic.agent.node import Exclusions
+from elastic.control.runstate import Exclusions
 from elastic.common.config import ConfigError
 from elastic.control.store import EtcdStore
 

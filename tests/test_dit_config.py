@@ -85,7 +85,7 @@ def test_check_world():
 
 def test_fixture_yaml_is_a_valid_trainer_section():
     data = yaml.safe_load(FIXTURE.read_text())
-    assert data["launch"]["entrypoint"] == ["-m", "trainer.dit_train"]
+    assert data["launch"]["workload"] == "dit"
     assert set(data) >= {"run", "launch", "checkpoint", "trainer", "fingerprint"}
     cfg = build(data["trainer"])
     assert cfg.model.preset == "tiny"
@@ -97,16 +97,12 @@ def test_importable_without_torch():
 
 
 def test_fixture_validates_as_a_run_config_with_the_dit_trainer_section():
-    """What the launcher will do once RunConfig.trainer is DiTTrainerConfig (the lead's merge step)."""
-    import dataclasses
+    """The launcher reads the trainer section with the workload's config class."""
+    from elastic.run.schema import RunConfig
 
-    from launch.config import RunConfig
-
-    dit_run_config = dataclasses.make_dataclass(
-        "DiTRunConfig", [("trainer", DiTTrainerConfig, dataclasses.field(default_factory=DiTTrainerConfig))],
-        bases=(RunConfig,), kw_only=True)
+    dit_run_config = RunConfig
     cfg = from_dict(dit_run_config, yaml.safe_load(FIXTURE.read_text()))
-    assert cfg.launch.entrypoint == ["-m", "trainer.dit_train"]
+    assert isinstance(cfg.trainer, DiTTrainerConfig) and cfg.entrypoint() == ["-m", "trainer.dit_train"]
     assert cfg.trainer.parallel.cp == 1 and cfg.checkpoint.interval_steps == 10
     fp = cfg.compute_fingerprint()
     cfg.trainer.seed = 1

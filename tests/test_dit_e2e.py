@@ -22,8 +22,11 @@ import torch
 import yaml
 
 from elastic.common.config import from_dict
+from elastic.run.schema import RunConfig
 from elastic.worker.channel import EXIT_NUMERICS
-from trainer.dit_train import DiTTrainerFile, train
+from elastic.worker.faults import write_fault
+from elastic.worker.session import NumericsRollback, WorkerSession
+from trainer.dit_train import train
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -57,13 +60,20 @@ def trainer_section(**overrides) -> dict:
     return base
 
 
-def run_file(trainer: dict, interval: int = 4) -> DiTTrainerFile:
-    return from_dict(DiTTrainerFile, {"trainer": trainer, "checkpoint": {"interval_steps": interval, "keep_last": 5}})
+def run_file(trainer: dict, interval: int = 4) -> RunConfig:
+    return from_dict(RunConfig, {"launch": {"workload": "dit"}, "trainer": trainer,
+                                 "checkpoint": {"interval_steps": interval, "keep_last": 5}})
 
 
 def run_in_process(world1, run_dir: Path, trainer: dict, interval: int = 4) -> str:
     world1()
-    return train(run_file(trainer, interval), run_dir)
+    with WorkerSession.open(run_file(trainer, interval), run_dir) as session:
+        return train(session)
+
+
+def nan_at(run_dir: Path, step: int) -> None:
+    """A NaN loss at ``step``, once per run directory (the run's fault files, as chaos injects it)."""
+    write_fault(run_dir, f"nan-{step}", {"kind": "nan_loss", "step": step})
 
 
 def events(run_dir: Path, rank: int = 0, kind: str | None = None) -> list[dict]:
@@ -73,8 +83,8 @@ def events(run_dir: Path, rank: int = 0, kind: str | None = None) -> list[dict]:
 
 
 def write_yaml(path: Path, trainer: dict, interval: int = 4) -> Path:
-    path.write_text(yaml.safe_dump({"trainer": trainer, "checkpoint": {"interval_steps": interval, "keep_last": 5},
-                                    "fingerprint": ""}))
+    path.write_text(yaml.safe_dump({"launch": {"workload": "dit"}, "trainer": trainer,
+                                    "checkpoint": {"interval_steps": interval, "keep_last": 5}, "fingerprint": ""}))
     return path
 
 
@@ -102,7 +112,8 @@ def test_same_seed_bitwise_equal_and_stop_resume_matches_uninterrupted(tmp_path,
 
 def test_injected_nan_is_skipped_and_never_reaches_the_weights(tmp_path, world1):
     before = run_in_process(world1, tmp_path / "two", trainer_section(steps=2))
-    after = run_in_process(world1, tmp_path / "nan", trainer_section(steps=3, numerics={"inject_nan_steps": [3]}))
+    nan_at(tmp_path / "nan", 3)
+    after = run_in_process(world1, tmp_path / "nan", trainer_section(steps=3))
     assert after == before  # step 3 was dropped: no optimizer update at all
     bad = events(tmp_path / "nan", kind="trainer.numerics")
     assert [(e["step"], e["action"]) for e in bad] == [(3, "skip")]
@@ -110,7 +121,8 @@ def test_injected_nan_is_skipped_and_never_reaches_the_weights(tmp_path, world1)
     step3 = events(tmp_path / "nan", kind="trainer.step")[-1]
     assert step3["skipped"] and math.isnan(step3["loss"])
     # training goes on after a skip and stays finite
-    run_in_process(world1, tmp_path / "more", trainer_section(steps=5, numerics={"inject_nan_steps": [3]}))
+    nan_at(tmp_path / "more", 3)
+    run_in_process(world1, tmp_path / "more", trainer_section(steps=5))
     steps = events(tmp_path / "more", kind="trainer.step")
     assert [e["skipped"] for e in steps] == [False, False, True, False, False]
     assert all(math.isfinite(e["loss"]) for e in steps if not e["skipped"])
@@ -121,8 +133,8 @@ def test_rollback_reports_and_exits_with_exit_numerics(tmp_path, world1, monkeyp
     """``main`` (what ``python -m trainer.dit_train`` exits with) returns EXIT_NUMERICS after reporting."""
     from trainer import dit_train
 
-    config = write_yaml(tmp_path / "run.yaml", trainer_section(
-        steps=6, numerics={"action": "rollback", "inject_nan_steps": [3]}), interval=2)
+    config = write_yaml(tmp_path / "run.yaml", trainer_section(steps=6, numerics={"action": "rollback"}), interval=2)
+    nan_at(tmp_path / "run", 3)
     sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     sock.bind(("127.0.0.1", 0))
     sock.settimeout(5)
@@ -146,9 +158,8 @@ def test_rollback_reports_and_exits_with_exit_numerics(tmp_path, world1, monkeyp
 
 
 def test_rollback_restart_resumes_from_last_commit_and_gets_past_the_fault(tmp_path, world1):
-    sec = trainer_section(steps=6, numerics={"action": "rollback", "inject_nan_steps": [3]})
-    from trainer.dit_train import NumericsRollback
-
+    sec = trainer_section(steps=6, numerics={"action": "rollback"})
+    nan_at(tmp_path / "run", 3)
     with pytest.raises(NumericsRollback):
         run_in_process(world1, tmp_path / "run", sec, interval=2)
     assert events(tmp_path / "run", kind="trainer.rollback")[0]["step"] == 3

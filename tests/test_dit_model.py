@@ -133,13 +133,17 @@ def test_loss_decreases_on_synthetic_data(tmp_path, free_port_env):
     """~100 steps of the real trainer (world 1, in process): the mean loss falls by > 25%."""
     import json
 
-    from trainer.dit_train import DiTTrainerFile, train
+    from elastic.run.schema import RunConfig
+    from elastic.worker.session import WorkerSession
+    from trainer.dit_train import train
 
-    cfg = from_dict(DiTTrainerFile, {
+    cfg = from_dict(RunConfig, {
+        "launch": {"workload": "dit"},
         "trainer": {"steps": 100, "global_batch_size": 16, "optim": {"lr": 3e-3, "warmup_steps": 10}},
         "checkpoint": {"interval_steps": 0},
     })
-    train(cfg, tmp_path)
+    with WorkerSession.open(cfg, tmp_path) as session:
+        train(session)
     losses = [json.loads(line)["loss"] for line in (tmp_path / "events" / "trainer-rank0.jsonl").open()
               if '"trainer.step"' in line]
     assert len(losses) == 100

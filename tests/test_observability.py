@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from elastic.agent.node import NodeAgent, NodeSpec
+from elastic.agent.node import AgentState, NodeAgent, NodeSpec
 from elastic.agent.config import AgentConfig, RendezvousConfig
 from elastic.checkpoint.publish import EtcdCheckpointPublisher
 from elastic.common.events import EventLog
@@ -94,14 +94,15 @@ def test_agent_publishes_metrics_address_and_status_reads_it(tmp_path, etcd_endp
     store = EtcdStore(etcd_endpoint)
     agent._serve_metrics()
     try:
-        assert "--local-addr=10.1.2.3" in agent._torchrun_cmd(0)
-        agent._lease = LeaseKeeper(store, 10)
-        agent._set_state(agent.state.RUNNING)
-        agent.monitor.observe({"type": "step", "rank": 0, "pid": 1, "step": 7, "loss": 0.5, "step_time": 0.25})
-        agent._publish_heartbeat(1)
-        agent.exclusions.add("n9", "lemon node: 3 failures", ttl_s=60, by="leader/n0")
-        EtcdCheckpointPublisher(store, agent.prefix, world_size=2)(6, str(tmp_path / "checkpoints" / "step-6"))
-        status = read_status(store, agent.prefix)
+        assert "--local-addr=10.1.2.3" in agent.new_attempt(0).argv()
+        agent.records.lease = LeaseKeeper(store, 10)
+        agent._set_state(AgentState.RUNNING)
+        monitor = agent.supervisor.monitor
+        monitor.observe({"type": "step", "rank": 0, "pid": 1, "step": 7, "loss": 0.5, "step_time": 0.25})
+        agent.records.heartbeat(1, agent.status.value, monitor.summary())
+        agent.state.exclusions.add("n9", "lemon node: 3 failures", ttl_s=60, by="leader/n0")
+        EtcdCheckpointPublisher(store, agent.keys.prefix, world_size=2)(6, str(tmp_path / "checkpoints" / "step-6"))
+        status = read_status(store, agent.keys.prefix)
         node = status["nodes"]["n0"]
         assert node["metrics"] == agent.metrics.address and node["state"] == "RUNNING"
         assert node["step"] == 7 and node["steps_per_s"] == pytest.approx(4.0)
@@ -121,13 +122,13 @@ def test_agent_publishes_metrics_address_and_status_reads_it(tmp_path, etcd_endp
 
         assert ops_cli.main(["status", "--etcd", etcd_endpoint, "--json"]) == 0
         out = json.loads(capsys.readouterr().out)
-        assert out["prefix"] == agent.prefix and out["nodes"]["n0"]["step"] == 7
+        assert out["prefix"] == agent.keys.prefix and out["nodes"]["n0"]["step"] == 7
         assert ops_cli.main(["status", "--etcd", etcd_endpoint, "--run-id", "obs"]) == 0
         assert "newest checkpoint: step 6" in capsys.readouterr().out
         assert ops_cli.main(["status", "--etcd", etcd_endpoint, "--run-id", "nope"]) == 1
         assert capsys.readouterr().err.strip() == "elastic: status: no run at /elastic/runs/nope"
     finally:
-        agent._lease.close(revoke=True)
+        agent.records.lease.close(revoke=True)
         agent.metrics.close()
 
 
@@ -171,7 +172,7 @@ def test_loss_report_from_a_real_event_log(tmp_path):
 def test_tensorboard_scalars_rank0_only(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from trainer.tensorboard import ScalarLog, TensorBoardConfig
+    from elastic.worker.scalars import ScalarLog, TensorBoardConfig
 
     cfg = TensorBoardConfig(enabled=True)
     assert ScalarLog(cfg, tmp_path, rank=1)._writer is None

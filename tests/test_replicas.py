@@ -18,24 +18,26 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 # torchft ships x86_64 wheels only (pyproject installs it there); elsewhere this mode is not available.
 pytest.importorskip("torchft")
 
 from elastic.agent.node import NodeAgent, NodeSpec
 from elastic.agent.config import AgentConfig, RendezvousConfig
-from elastic.common.config import ConfigError, override
+from elastic.common.config import ConfigError, from_dict, override
 from elastic.common.events import EventLog, read_run_events
-from elastic.replicas.config import REPLICA_ENTRYPOINT, ReplicaConfig
+from elastic.replicas.config import ReplicaConfig
 from elastic.replicas.runtime import LighthouseUnavailable, ReplicaRuntime
+from elastic.control.keys import RunKeys
+from elastic.control.runstate import RunState
 from elastic.control.store import EtcdStore
-from launch.config import RunConfig
+from elastic.run.schema import RunConfig
 from tests.launch_helpers import start_launcher, wait_for_event, write_run_config
 
 
 def _replica_run(**fields) -> RunConfig:
     cfg = override(RunConfig(), "launch.nodes", "2")
-    cfg = override(cfg, "launch.entrypoint", list(REPLICA_ENTRYPOINT))
     for key, value in fields.items():
         cfg = override(cfg, key, value)
     return cfg
@@ -43,8 +45,8 @@ def _replica_run(**fields) -> RunConfig:
 
 def test_replica_config_errors_name_the_field():
     assert _replica_run(**{"replicas.enabled": True}).replicas.enabled
-    with pytest.raises(ConfigError, match=r"^launch\.entrypoint: .*no torchft support"):
-        override(RunConfig(), "replicas.enabled", True)  # the default MLP trainer does not speak torchft
+    with pytest.raises(ConfigError, match=r"^launch\.workload: 'dit' has no torchft support"):
+        from_dict(RunConfig, {"launch": {"workload": "dit"}, "replicas": {"enabled": True}})
     with pytest.raises(ConfigError, match=r"^replicas\.min_replicas: 3 exceeds the 2 replica groups"):
         _replica_run(**{"replicas.enabled": True, "replicas.min_replicas": 3})
     with pytest.raises(ConfigError, match=r"^replicas\.heartbeat_timeout_ms: must be >= 1$"):
@@ -59,9 +61,10 @@ def test_leader_hosts_lighthouse_and_publishes_address(etcd_endpoint, tmp_path):
     store = EtcdStore(etcd_endpoint)
     events = EventLog(tmp_path / "events.jsonl", "test")
     cfg = ReplicaConfig(enabled=True, lighthouse_wait_s=0.5)
-    first = ReplicaRuntime(cfg, store, "/t/runs/r", "node0", "r", tmp_path, events)
-    other = ReplicaRuntime(cfg, store, "/t/runs/r", "node1", "r", tmp_path, events)
-    key = "/t/runs/r/torchft/lighthouse"
+    state = RunState(store, RunKeys("/t/runs/r"))
+    first = ReplicaRuntime(cfg, state, "node0", "r", tmp_path, events)
+    other = ReplicaRuntime(cfg, state, "node1", "r", tmp_path, events)
+    key = "/t/runs/r/torchft/lighthouse"  # written out: the layout is a contract with elastic status
     with pytest.raises(LighthouseUnavailable, match="lighthouse_wait_s=0.5s"):
         other.lighthouse_address()  # nobody leads yet
     other.tick(False, store.grant_lease(5))
@@ -98,18 +101,18 @@ def test_leader_hosts_lighthouse_and_publishes_address(etcd_endpoint, tmp_path):
 
 def test_agent_in_replica_mode_never_bumps_the_epoch(etcd_endpoint, tmp_path):
     spec = NodeSpec(run_id="r", node_id="node1", endpoint=etcd_endpoint, run_dir=tmp_path, nnodes="2",
-                    nproc_per_node=2, entrypoint=list(REPLICA_ENTRYPOINT))
+                    nproc_per_node=2, entrypoint=["-m", "trainer.ft_train"])
     agent = NodeAgent(spec, AgentConfig(), RendezvousConfig(), replicas=ReplicaConfig(enabled=True))
-    assert agent.bump_epoch(0) == 0 and agent.read_epoch() == 0
+    assert agent.scope.bump(0) == 0 and agent.state.epoch() == 0
     agent.attempt = 2
-    cmd = agent._torchrun_cmd(0)
+    cmd = agent.new_attempt(0).argv()
     assert "--nnodes=1" in cmd and "--nproc-per-node=2" in cmd and "--rdzv-id=r-rg-node1-a2" in cmd
     plain = NodeAgent(spec, AgentConfig(), RendezvousConfig())
-    assert plain.bump_epoch(0) == 1 and "--nnodes=2" in plain._torchrun_cmd(1)
+    assert plain.scope.bump(0) == 1 and "--nnodes=2" in plain.new_attempt(1).argv()
     # A group restarting after its peers finished the run must not train alone from step 0.
-    agent.store.put(agent._key("done"), json.dumps({"by": "node0"}))
+    agent.store.put(agent.keys.done, json.dumps({"by": "node0"}))
     result = agent._run_once(0)
-    assert result.outcome == "succeeded" and agent._proc is None
+    assert result.outcome == "succeeded" and agent.current is None
 
 
 def test_late_group_stops_when_the_run_is_finished(etcd_endpoint, monkeypatch):
@@ -118,11 +121,12 @@ def test_late_group_stops_when_the_run_is_finished(etcd_endpoint, monkeypatch):
     monkeypatch.setenv("ELASTIC_ETCD_ENDPOINT", etcd_endpoint)
     monkeypatch.setenv("ELASTIC_RUN_PREFIX", "/t/runs/r")
     mark = RunFinished(every=10)
-    assert not mark.seen(20, participants=1, rank=0, world=1)
+    cpu = torch.device("cpu")
+    assert not mark.seen(20, participants=1, rank=0, world=1, device=cpu)
     mark.publish(300, "node0")
-    assert mark.seen(20, participants=1, rank=0, world=1)
-    assert not mark.seen(21, participants=1, rank=0, world=1)  # only every 10th step
-    assert not mark.seen(20, participants=2, rank=0, world=1)  # it has peers: it is not late
+    assert mark.seen(20, participants=1, rank=0, world=1, device=cpu)
+    assert not mark.seen(21, participants=1, rank=0, world=1, device=cpu)  # only every 10th step
+    assert not mark.seen(20, participants=2, rank=0, world=1, device=cpu)  # it has peers: it is not late
 
 
 def _steps(events: list[dict], source: str) -> list[dict]:
@@ -134,7 +138,6 @@ def _steps(events: list[dict], source: str) -> list[dict]:
 def test_sigkill_one_group_survivor_keeps_training_and_restarted_group_heals(tmp_path, subprocess_env):
     config = write_run_config(
         tmp_path, nodes="2", steps=450, step_sleep=0.05, run_id="ft",
-        launch={"entrypoint": list(REPLICA_ENTRYPOINT)},
         replicas={"enabled": True, "heartbeat_timeout_ms": 1000, "join_timeout_ms": 500},
     )
     proc = start_launcher(config, subprocess_env)

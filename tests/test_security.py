@@ -24,10 +24,10 @@ from elastic.common.config import ConfigError, from_dict, to_dict
 from elastic.control.etcd_security import PASSWORD_ENV, EtcdClientConfig, EtcdSecurity
 from elastic.control.etcd_server import EmbeddedEtcd, ServerTLS
 from elastic.common.events import EventLog
-from elastic.control.keys import run_prefix
+from elastic.control.keys import RunKeys, run_prefix
 from elastic.common.procs import descendants
 from elastic.control.store import EtcdStore, StoreAuthError, StoreTLSError
-from launch.config import RunConfig
+from elastic.run.schema import RunConfig
 from tests.etcd_certs import make_pki
 
 PASSWORD = "pw-Zq81-not-in-any-file"
@@ -182,13 +182,13 @@ def test_run_token_admits_the_same_token_and_refuses_others(secure_etcd, pki, tm
     store = _store(secure_etcd, _security(pki))
     prefix = run_prefix("/elastic", f"adm-{time.monotonic_ns()}")
     events = EventLog(tmp_path / "ev.jsonl", "test")
-    _admission("n0", TOKEN).check(store, prefix, events)
-    _admission("n1", TOKEN).check(store, prefix, events)
+    _admission("n0", TOKEN).check(store, RunKeys(prefix), events)
+    _admission("n1", TOKEN).check(store, RunKeys(prefix), events)
     record = store.get(f"{prefix}/admission/token").value.decode()
     assert TOKEN not in record and json.loads(record)["hash"]
     for token, needle in (("another-runs-token", "does not match"), (None, "requires a run token")):
         with pytest.raises(Refused, match=needle) as err:
-            _admission("intruder", token).check(store, prefix, events)
+            _admission("intruder", token).check(store, RunKeys(prefix), events)
         assert err.value.code == EXIT_WRONG_TOKEN and TOKEN not in str(err.value)
     events.close()
     assert TOKEN not in (tmp_path / "ev.jsonl").read_text()
@@ -199,28 +199,28 @@ def test_join_fingerprint_refuses_other_config_or_code_and_says_which(secure_etc
     prefix = run_prefix("/elastic", f"fp-{time.monotonic_ns()}")
     events = EventLog(None, "test")
     base = to_dict(RunConfig())
-    _admission("n0", None, base).check(store, prefix, events)
+    _admission("n0", None, base).check(store, RunKeys(prefix), events)
     # Per-node fields may differ: the node id, its run dir, its etcd credentials.
     per_node = json.loads(json.dumps(base))
     per_node["launch"]["node_id"] = "n1"
     per_node["run"]["dir"] = "/elsewhere"
     per_node["etcd"]["username"] = "someone"
-    _admission("n1", None, per_node).check(store, prefix, events)
+    _admission("n1", None, per_node).check(store, RunKeys(prefix), events)
     changed = json.loads(json.dumps(base))
     changed["trainer"]["lr"] = 0.5
     with pytest.raises(Refused, match=r"^this node's config differs from run adm's \(recorded by n0\)") as err:
-        _admission("n2", None, changed).check(store, prefix, events)
+        _admission("n2", None, changed).check(store, RunKeys(prefix), events)
     assert err.value.code == EXIT_FINGERPRINT
     other_code = Admission(run_id="adm", node_id="n3", fingerprint={**join_fingerprint(base), "code": "0" * 16})
     with pytest.raises(Refused, match="this node's code differs"):
-        other_code.check(store, prefix, events)
-    _admission("n4", None, changed, check="warn").check(store, prefix, events)  # warns, admits
+        other_code.check(store, RunKeys(prefix), events)
+    _admission("n4", None, changed, check="warn").check(store, RunKeys(prefix), events)  # warns, admits
 
 
 def test_agent_with_another_runs_token_exits_94(secure_etcd, pki, tmp_path, subprocess_env):
     """The real agent process: refused before it registers, one line on stderr, exit code 94."""
     store = _store(secure_etcd, _security(pki))
-    _admission("n0", TOKEN).check(store, run_prefix("/elastic", "agent94"), EventLog(None, "test"))
+    _admission("n0", TOKEN).check(store, RunKeys.of("/elastic", "agent94"), EventLog(None, "test"))
     cfg = {"run": {"id": "agent94"}, "launch": {"etcd_endpoint": secure_etcd.endpoint},
            "etcd": {"ca_file": str(pki.ca), "cert_file": str(pki.client_cert), "key_file": str(pki.client_key),
                     "username": "elastic", "password_env": "TEST_ETCD_PW"},

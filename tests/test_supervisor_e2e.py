@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from elastic.agent.node import Exclusions
+from elastic.control.runstate import Exclusions
 from elastic.common.events import read_run_events
 from elastic.control.keys import run_prefix
 from elastic.control.store import EtcdStore

@@ -12,7 +12,8 @@ import time
 import pytest
 import torch
 
-from elastic.agent.config import AgentConfig, FailurePolicy, HeartbeatConfig, LeaderConfig
+from elastic.agent.config import AgentConfig, FailurePolicy, HeartbeatConfig
+from elastic.control.leader import LeaderConfig
 from elastic.agent.classify import FailureKind, classify, worker_exit_codes
 from elastic.common.config import ConfigError, from_dict
 from elastic.common.events import EventLog

@@ -193,10 +193,6 @@ class NumericsConfig:
     """Floor of the z-score's scale as a fraction of the median loss (guards against MAD ~ 0)."""
     max_consecutive_skips: int = 4
     """More skipped steps in a row than this escalates to rollback."""
-    inject_nan_steps: list[int] = field(default_factory=list)
-    """Fault-injection seam (tests, chaos): make the loss NaN at these steps."""
-    inject_nan_once: bool = True
-    """Inject each step at most once per run directory (so a rollback can make progress)."""
 
     def __post_init__(self) -> None:
         if self.spike_window < 2:
@@ -209,9 +205,6 @@ class NumericsConfig:
             raise ConfigError("spike_min_rel_scale", "must be >= 0")
         if self.max_consecutive_skips < 0:
             raise ConfigError("max_consecutive_skips", "must be >= 0")
-        for i, step in enumerate(self.inject_nan_steps):
-            if step < 1:
-                raise ConfigError(f"inject_nan_steps[{i}]", "must be >= 1")
 
 
 @dataclass(kw_only=True)

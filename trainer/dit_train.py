@@ -5,8 +5,8 @@ Same protocol as :mod:`trainer.train` (the minimal MLP workload): reads the
 ``checkpoint`` and ``fingerprint`` sections of the run YAML; writes events to
 ``<run-dir>/events/trainer-rank{R}.jsonl``; reports steps, commits and bad
 numerics to the node agent; checkpoints through
-:class:`~elastic.checkpoint.manager.CheckpointManager` on its own gloo group; resumes
-from the newest committed checkpoint; prints ``FINAL_CHECKSUM <sha256>``.
+the worker session (:mod:`elastic.worker.session`); resumes from the newest committed
+checkpoint; prints ``FINAL_CHECKSUM <sha256>``.
 
 Determinism (CPU, same seed, world size and thread count): initial weights
 come from the seed; the data order is a seeded permutation walked by a
@@ -22,29 +22,20 @@ floating-point reduction order.
 
 from __future__ import annotations
 
-import os
 import sys
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import yaml
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from elastic.checkpoint.manager import CheckpointConfig, CheckpointManager
-from elastic.common.config import ConfigError, from_dict, to_dict
-from elastic.common.events import EventLog
-from elastic.checkpoint.publish import publisher_from_env
-from elastic.checkpoint.storage import FAIL_WRITE_ENV
-from elastic.worker.faults import FaultHooks
-from trainer.checksum import param_checksum, publish_checksum
-from elastic.worker.channel import EXIT_NUMERICS, WorkerContext, skip_steps
+from elastic.common.config import ConfigError
+from elastic.run.schema import dump_run_file
+from elastic.worker.session import NumericsRollback, WorkerSession, run_worker
 from trainer.data import GlobalSampler, build_dataset, collate
 from trainer.dit import DiT, build_dit
 from trainer.dit_config import DiTTrainerConfig
@@ -52,39 +43,11 @@ from trainer.flow import flow_loss, interpolate, per_sample_noise, velocity_targ
 from trainer.fp8 import convert_to_fp8, fp8_stats
 from trainer.numerics import NumericsGuard
 from trainer.parallel import parallelize
-from trainer.entry import EXIT_CONFIG, init_worker_process, parse_trainer_args, read_trainer_config
-from trainer.tensorboard import ScalarLog, TensorBoardConfig
 
 RESOLVED_CONFIG_NAME = "dit_trainer.yaml"
 """Written to the run directory by rank 0: what trainer.sample needs to rebuild the model."""
 
-
-@dataclass(kw_only=True)
-class DiTTrainerFile:
-    """The parts of the run config the trainer reads; other sections are ignored."""
-
-    trainer: DiTTrainerConfig = field(default_factory=DiTTrainerConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    tensorboard: TensorBoardConfig = field(default_factory=TensorBoardConfig)
-    fingerprint: str = ""
-
-
-def load_trainer_config(path: str | os.PathLike[str]) -> DiTTrainerFile:
-    data = yaml.safe_load(Path(path).read_text()) or {}
-    picked = {k: data[k] for k in ("trainer", "checkpoint", "tensorboard", "fingerprint") if k in data}
-    return from_dict(DiTTrainerFile, picked)
-
-
-def checkpoint_root(cfg_file: DiTTrainerFile, run_dir: Path) -> Path:
-    root = Path(cfg_file.checkpoint.dir)
-    return root if root.is_absolute() else run_dir / root
-
-
-class NumericsRollback(Exception):
-    def __init__(self, step: int, reason: str) -> None:
-        super().__init__(f"step {step}: {reason}")
-        self.step = step
-        self.reason = reason
+__all__ = ["NumericsRollback", "TrainState", "train", "main"]
 
 
 class TrainState(Stateful):
@@ -146,19 +109,6 @@ def global_grad_norm(model: nn.Module) -> torch.Tensor:
     return norm
 
 
-def _inject_nan(cfg: DiTTrainerConfig, run_dir: Path, step: int, rank: int) -> bool:
-    if step not in cfg.numerics.inject_nan_steps:
-        return False
-    if not cfg.numerics.inject_nan_once:
-        return True
-    marker = run_dir / "faults" / f"nan-step{step:08d}-rank{rank:05d}"
-    if marker.exists():
-        return False
-    marker.parent.mkdir(parents=True, exist_ok=True)
-    marker.touch()
-    return True
-
-
 def micro_batches(indices: list[int], size: int) -> list[list[int]]:
     if size <= 0 or size >= len(indices):
         return [indices]
@@ -187,144 +137,118 @@ def build_model(cfg: DiTTrainerConfig, device: torch.device) -> tuple[DiT, list[
     return model, converted
 
 
-def train(cfg_file: DiTTrainerFile, run_dir: Path) -> str:
-    cfg = cfg_file.trainer
-    device, rank, world = init_worker_process()
-    worker = WorkerContext.from_env(run_dir)
-    events = EventLog(run_dir / "events" / f"trainer-rank{rank}.jsonl", f"trainer/rank{rank}")
-    dp, cp = cfg.check_world(world)
-    if world > 1 and not cfg.parallel.fsdp:
-        raise ConfigError("parallel.fsdp", "must be true with more than one rank (gradients are averaged by FSDP)")
-    if rank == 0:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / RESOLVED_CONFIG_NAME).write_text(yaml.safe_dump(to_dict(cfg_file), sort_keys=False))
+class DiTRun:
+    """One DiT training run inside a worker session: model, optimizer, data, guard, and the step."""
 
-    torch.manual_seed(cfg.seed)
-    model, converted = build_model(cfg, device)
-    mesh = parallelize(model, cfg.parallel, dp, cp, device.type)
-    dp_rank = mesh["dp"].get_local_rank() if mesh is not None else 0
-    optim = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2),
-                              eps=cfg.optim.eps, weight_decay=cfg.optim.weight_decay)
-    dataset = build_dataset(cfg.data, cfg.model, cfg.seed)
-    sampler = GlobalSampler(len(dataset), cfg.global_batch_size, cfg.seed, cfg.data.shuffle)
-    guard = NumericsGuard(cfg.numerics)
-    state = TrainState(model, optim, sampler, guard)
+    def __init__(self, session: WorkerSession) -> None:
+        self.session = session
+        self.cfg: DiTTrainerConfig = session.cfg.trainer
+        cfg, device = self.cfg, session.device
+        self.dp, self.cp = cfg.check_world(session.world)
+        if session.world > 1 and not cfg.parallel.fsdp:
+            raise ConfigError("parallel.fsdp", "must be true with more than one rank (gradients are averaged by FSDP)")
+        torch.manual_seed(cfg.seed)
+        self.model, self.converted = build_model(cfg, device)
+        mesh = parallelize(self.model, cfg.parallel, self.dp, self.cp, device.type)
+        self.dp_rank = mesh["dp"].get_local_rank() if mesh is not None else 0
+        self.optim = torch.optim.AdamW(self.model.parameters(), lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2),
+                                       eps=cfg.optim.eps, weight_decay=cfg.optim.weight_decay)
+        self.dataset = build_dataset(cfg.data, cfg.model, cfg.seed)
+        self.sampler = GlobalSampler(len(self.dataset), cfg.global_batch_size, cfg.seed, cfg.data.shuffle)
+        self.guard = NumericsGuard(cfg.numerics)
+        self.state = TrainState(self.model, self.optim, self.sampler, self.guard)
+        self.tokens_per_step = cfg.global_batch_size * cfg.model.num_tokens
 
-    # Checkpoint collectives get their own gloo group, so they can never interleave with
-    # FSDP's collectives on the default group (measured crash otherwise).
-    ckpt_group = dist.new_group(backend="gloo")
-    manager = CheckpointManager(cfg_file.checkpoint, checkpoint_root(cfg_file, run_dir), cfg_file.fingerprint,
-                                events, ckpt_group, publisher=publisher_from_env())
-    loaded = manager.load_latest({"app": state})
-    rank_rng = restore_rank_rng(loaded[1]) if loaded else False
-    start = state.step if loaded else 0
-    events.emit("trainer.start", step=start, world_size=world, dp=dp, cp=cp, resumed=loaded is not None,
-                node=os.environ.get("ELASTIC_NODE_ID"),
-                rank_rng_restored=rank_rng, samples_seen=sampler.samples_seen, fp8_layers=len(converted),
-                restart_count=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
+    def resume(self) -> int:
+        loaded = self.session.resume({"app": self.state})
+        rank_rng = restore_rank_rng(loaded[1]) if loaded else False
+        start = self.state.step if loaded else 0
+        self.session.emit_start(start, resumed=loaded is not None, dp=self.dp, cp=self.cp, rank_rng_restored=rank_rng,
+                                samples_seen=self.sampler.samples_seen, fp8_layers=len(self.converted))
+        return start
 
-    tokens_per_step = cfg.global_batch_size * cfg.model.num_tokens
-    hooks = FaultHooks(run_dir, rank, events)
-    scalars = ScalarLog(cfg_file.tensorboard, run_dir, rank)
-    skipped_steps = skip_steps()
-    sync = torch.zeros(1, device=device)
-    try:
-        for step in range(start + 1, cfg.steps + 1):
-            t0 = time.monotonic()
-            hooks.before_step(step)
-            # The step's sync point: time spent here is waiting for slower peers, not work.
-            t_sync = time.monotonic()
-            dist.all_reduce(sync)
-            wait = time.monotonic() - t_sync
-            indices = GlobalSampler.rank_slice(sampler.next_global_batch(), dp_rank, dp)
-            if step in skipped_steps:
-                # Rolled back past a bad batch: the sampler moves on, the batch is never used.
-                state.step = step
-                events.emit("trainer.step_skipped", step=step, reason="numerics rollback")
-                if manager.should_save(step) or step == cfg.steps:
-                    manager.save(step, {"app": state}, extra=rank_rng_state())
-                continue
-            inject = _inject_nan(cfg, run_dir, step, rank) or hooks.loss(step, 1.0) != 1.0
-            optim.zero_grad(set_to_none=True)
-            chunks = micro_batches(indices, cfg.micro_batch_size)
-            loss = torch.zeros((), device=device)
-            for i, chunk in enumerate(chunks):
-                if len(chunks) > 1 and hasattr(model, "set_requires_gradient_sync"):
-                    model.set_requires_gradient_sync(i == len(chunks) - 1)  # reduce-scatter after the last one
-                part = micro_batch_loss(model, cfg, dataset, step, chunk, device) * (len(chunk) / len(indices))
-                if inject:
-                    part = part * float("nan")
-                part.backward()
-                loss += part.detach()
+    def save(self, step: int) -> None:
+        self.session.maybe_save(step, self.cfg.steps, {"app": self.state}, extra=rank_rng_state())
 
-            global_loss = loss.detach().clone()
-            dist.all_reduce(global_loss, op=dist.ReduceOp.AVG)
-            grad_norm = global_grad_norm(model)
-            loss_value, norm_value = float(global_loss), float(grad_norm)
-            verdict = guard.check(loss_value, norm_value)
-            lr = cfg.optim.lr * min(1.0, step / cfg.optim.warmup_steps) if cfg.optim.warmup_steps else cfg.optim.lr
-            if verdict.ok:
-                if cfg.optim.grad_clip > 0:
-                    torch.nn.utils.clip_grads_with_norm_(model.parameters(), cfg.optim.grad_clip, grad_norm)
-                for group in optim.param_groups:
-                    group["lr"] = lr
-                optim.step()
-            else:
-                optim.zero_grad(set_to_none=True)  # the bad gradients never reach the weights
-                events.emit("trainer.numerics", step=step, action=verdict.action, reason=verdict.reason,
-                            loss=loss_value, grad_norm=norm_value, total_skips=guard.total_skips)
-                if verdict.action == "rollback":
-                    raise NumericsRollback(step, verdict.reason)
-            state.step = step
-            if cfg.step_sleep:
-                time.sleep(cfg.step_sleep)
-            step_time = time.monotonic() - t0
-            tokens_per_s = tokens_per_step / step_time if step_time > 0 else None
-            fp8 = fp8_stats(model)
-            events.emit("trainer.step", step=step, loss=loss_value, step_time=step_time, tokens_per_s=tokens_per_s,
-                        grad_norm=norm_value, lr=lr, skipped=not verdict.ok, samples_seen=sampler.samples_seen, fp8=fp8)
-            scalars.step(step, loss_value, step_time, grad_norm=norm_value, tokens_per_s=tokens_per_s, lr=lr, fp8=fp8)
-            worker.report_step(step, loss_value, step_time, step_time - wait)
-            if manager.should_save(step) or step == cfg.steps:
-                if hooks.checkpoint_write_error(step) is not None:
-                    os.environ[FAIL_WRITE_ENV] = f"{step}:{rank}"  # this rank's write of this save hits ENOSPC
-                # Commits in the background; published to etcd (the agents' progress signal) when done.
-                manager.save(step, {"app": state}, extra=rank_rng_state())
-    except NumericsRollback as exc:
-        worker.report_numerics(exc.step, exc.reason)
-        events.emit("trainer.rollback", step=exc.step, reason=exc.reason)
-        scalars.close()
-        manager.close()
-        # Every rank reaches the same verdict (global loss and norm), so all of them get here.
-        dist.destroy_process_group()
-        raise
+    def step(self, step: int) -> None:
+        session, cfg = self.session, self.cfg
+        session.begin_step(step)
+        session.sync_point()
+        indices = GlobalSampler.rank_slice(self.sampler.next_global_batch(), self.dp_rank, self.dp)
+        if session.skip_step(step):
+            # Rolled back past a bad batch: the sampler moves on, the batch is never used.
+            self.state.step = step
+            return self.save(step)
+        loss_value, norm_value = self.forward_backward(step, indices)
+        verdict = self.guard.check(loss_value, norm_value)
+        lr = cfg.optim.lr * min(1.0, step / cfg.optim.warmup_steps) if cfg.optim.warmup_steps else cfg.optim.lr
+        if verdict.ok:
+            self.optimizer_step(lr)
+        else:
+            self.optim.zero_grad(set_to_none=True)  # the bad gradients never reach the weights
+            session.events.emit("trainer.numerics", step=step, action=verdict.action, reason=verdict.reason,
+                                loss=loss_value, grad_norm=norm_value, total_skips=self.guard.total_skips)
+            if verdict.action == "rollback":
+                self.rollback(step, verdict.reason)
+        self.state.step = step
+        if cfg.step_sleep:
+            time.sleep(cfg.step_sleep)
+        step_time = session.step_time()
+        tokens_per_s = self.tokens_per_step / step_time if step_time > 0 else None
+        fp8 = fp8_stats(self.model)
+        session.end_step(step, loss_value, scalars={"grad_norm": norm_value, "tokens_per_s": tokens_per_s, "lr": lr,
+                                                    "fp8": fp8},
+                         tokens_per_s=tokens_per_s, grad_norm=norm_value, lr=lr, skipped=not verdict.ok,
+                         samples_seen=self.sampler.samples_seen, fp8=fp8)
+        self.save(step)
 
-    manager.close()
-    scalars.close()
-    worker.report_done(cfg.steps)
-    checksum = param_checksum(model)
-    publish_checksum(run_dir, rank, checksum)
-    events.emit("trainer.done", step=cfg.steps, checksum=checksum, total_skips=guard.total_skips)
-    dist.barrier()
-    dist.destroy_process_group()
-    return checksum
+    def forward_backward(self, step: int, indices: list[int]) -> tuple[float, float]:
+        """Loss over this rank's micro-batches with gradients; (global loss, global grad norm)."""
+        inject = self.session.loss(step, 1.0) != 1.0
+        self.optim.zero_grad(set_to_none=True)
+        chunks = micro_batches(indices, self.cfg.micro_batch_size)
+        loss = torch.zeros((), device=self.session.device)
+        for i, chunk in enumerate(chunks):
+            if len(chunks) > 1 and hasattr(self.model, "set_requires_gradient_sync"):
+                self.model.set_requires_gradient_sync(i == len(chunks) - 1)  # reduce-scatter after the last one
+            part = micro_batch_loss(self.model, self.cfg, self.dataset, step, chunk, self.session.device)
+            part = part * (len(chunk) / len(indices))
+            if inject:
+                part = part * float("nan")
+            part.backward()
+            loss += part.detach()
+        global_loss = loss.detach().clone()
+        dist.all_reduce(global_loss, op=dist.ReduceOp.AVG)
+        self.grad_norm = global_grad_norm(self.model)
+        return float(global_loss), float(self.grad_norm)
+
+    def optimizer_step(self, lr: float) -> None:
+        if self.cfg.optim.grad_clip > 0:
+            torch.nn.utils.clip_grads_with_norm_(self.model.parameters(), self.cfg.optim.grad_clip, self.grad_norm)
+        for group in self.optim.param_groups:
+            group["lr"] = lr
+        self.optim.step()
+
+    def rollback(self, step: int, reason: str) -> None:
+        """Every rank reaches the same verdict (global loss and norm), so all of them leave here."""
+        self.session.agent.report_numerics(step, reason)
+        self.session.events.emit("trainer.rollback", step=step, reason=reason)
+        raise NumericsRollback(step, reason)
+
+
+def train(session: WorkerSession) -> str:
+    if session.rank == 0:
+        session.run_dir.mkdir(parents=True, exist_ok=True)
+        dump_run_file(session.cfg, session.run_dir / RESOLVED_CONFIG_NAME)
+    run = DiTRun(session)
+    for step in range(run.resume() + 1, run.cfg.steps + 1):
+        run.step(step)
+    return session.finish(run.model, run.cfg.steps, total_skips=run.guard.total_skips)
 
 
 @record
 def main(argv: list[str] | None = None) -> int:
-    args = parse_trainer_args("python -m trainer.dit_train", argv)
-    cfg_file = read_trainer_config(load_trainer_config, args.config)
-    if cfg_file is None:
-        return EXIT_CONFIG
-    try:
-        train(cfg_file, Path(args.run_dir))
-    except NumericsRollback as exc:
-        print(f"trainer: numerics rollback: {exc}", file=sys.stderr, flush=True)
-        return EXIT_NUMERICS
-    except ConfigError as exc:
-        print(f"trainer: config error: {exc}", file=sys.stderr)
-        return 2
-    return 0
+    return run_worker("python -m trainer.dit_train", DiTTrainerConfig, train, argv)
 
 
 if __name__ == "__main__":

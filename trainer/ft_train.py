@@ -30,42 +30,21 @@ import os
 import sys
 import time
 import zlib
-from dataclasses import dataclass, field
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import yaml
 from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from elastic.common.config import from_dict
-from elastic.common.events import EventLog
-from elastic.replicas.config import ReplicaConfig
-from elastic.replicas.runtime import FINISHED_KEY
+from elastic.common.env import ETCD_ENDPOINT_ENV, RUN_PREFIX_ENV
+from elastic.control.keys import RunKeys
 from elastic.control.store import EtcdStore, StoreError
-from elastic.worker.channel import ETCD_ENDPOINT_ENV, RUN_PREFIX_ENV, WorkerContext
-from trainer.checksum import param_checksum, publish_checksum
-from trainer.entry import EXIT_CONFIG, init_worker_process, parse_trainer_args, read_trainer_config
+from elastic.replicas.config import ReplicaConfig
+from elastic.worker.session import WorkerSession, run_worker
 from trainer.minimal_config import MLPTrainerConfig
 from trainer.train import batch_for, build_model, shard_model
-
-
-@dataclass(kw_only=True)
-class _FTTrainerFile:
-    """The parts of the run config this trainer reads; other sections are ignored."""
-
-    trainer: MLPTrainerConfig = field(default_factory=MLPTrainerConfig)
-    replicas: ReplicaConfig = field(default_factory=ReplicaConfig)
-    fingerprint: str = ""
-
-
-def load_trainer_config(path: str | os.PathLike[str]) -> _FTTrainerFile:
-    data = yaml.safe_load(Path(path).read_text()) or {}
-    picked = {k: data[k] for k in ("trainer", "replicas", "fingerprint") if k in data}
-    return from_dict(_FTTrainerFile, picked)
 
 
 def data_rank(replica_id: str, rank: int, world: int) -> int:
@@ -98,10 +77,10 @@ class RunFinished:
     def __init__(self, every: int = 10) -> None:
         endpoint, prefix = os.environ.get(ETCD_ENDPOINT_ENV), os.environ.get(RUN_PREFIX_ENV)
         self.store = EtcdStore(endpoint, request_timeout=2.0, retry_deadline=2.0) if endpoint and prefix else None
-        self.key = f"{prefix}/{FINISHED_KEY}"
+        self.key = RunKeys(prefix or "").replicas_finished
         self.every = every
 
-    def seen(self, step: int, participants: int, rank: int, world: int) -> bool:
+    def seen(self, step: int, participants: int, rank: int, world: int, device: torch.device) -> bool:
         """Collective within the group when world > 1 (every rank sees the same step and quorum)."""
         if self.store is None or participants > 1 or step % self.every:
             return False
@@ -112,7 +91,7 @@ class RunFinished:
             except StoreError:
                 flag = 0.0  # etcd unreachable: keep training
         if world > 1:
-            tensor = torch.tensor([flag])
+            tensor = torch.tensor([flag], device=device)
             dist.broadcast(tensor, src=0)
             flag = float(tensor.item())
         return flag > 0
@@ -152,34 +131,51 @@ def build_manager(cfg: ReplicaConfig, replica_id: str, device: torch.device, mod
     )
 
 
-def train(cfg_file: _FTTrainerFile, run_dir: Path) -> str | None:
+def replica_group() -> str:
+    return os.environ.get("REPLICA_GROUP_ID", "rg0")
+
+
+def train(session: WorkerSession) -> str | None:
+    """Train until the run's last step; the checksum, or None when peers finished the run first."""
     import torchft
 
-    cfg = cfg_file.trainer
+    cfg: MLPTrainerConfig = session.cfg.trainer
     # The group's own process group (FSDP inside the group); its rank 0 also hosts the
     # TCPStore that torchft's Manager joins (it connects with is_master=False).
-    device, rank, world = init_worker_process()
-    replica_id = os.environ.get("REPLICA_GROUP_ID", "rg0")
-    worker = WorkerContext.from_env(run_dir)
-    events = EventLog(run_dir / "events" / f"trainer-{replica_id}-rank{rank}.jsonl", f"trainer/{replica_id}/rank{rank}")
-
+    device, rank, world = session.device, session.rank, session.world
+    replica_id = replica_group()
     model = build_model(cfg).to(device)
     if world > 1:
         model = shard_model(model, world, device.type)
     inner = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
-    manager = build_manager(cfg_file.replicas, replica_id, device, model, inner)
-    if world > 1:
-        # FSDP2 reduce-scatters inside the group; the hook averages each shard across the groups.
-        # The hook is per FSDP module (each sharded Linear holds its own parameters), not inherited.
-        from torch.distributed.fsdp import FSDPModule
+    manager = build_manager(session.cfg.replicas, replica_id, device, model, inner)
+    try:
+        if world > 1:
+            # FSDP2 reduce-scatters inside the group; the hook averages each shard across the groups.
+            # The hook is per FSDP module (each sharded Linear holds its own parameters), not inherited.
+            from torch.distributed.fsdp import FSDPModule
 
-        for module in model.modules():
-            if isinstance(module, FSDPModule):
-                module.set_all_reduce_hook(lambda grad: manager.allreduce(grad).wait())
-    optim = torchft.Optimizer(manager, inner)
+            for module in model.modules():
+                if isinstance(module, FSDPModule):
+                    module.set_all_reduce_hook(lambda grad: manager.allreduce(grad).wait())
+        optim = torchft.Optimizer(manager, inner)
+        session.emit_start(0, resumed=False, replica_group=replica_id, mode="replicas")
+        if not train_steps(session, cfg, model, optim, manager, replica_id):
+            return None  # these weights are not the run's: no checksum
+        checksum = session.finish(model, manager.current_step(), replica_group=replica_id)
+        if rank == 0:
+            RunFinished().publish(manager.current_step(), replica_id)
+            (session.run_dir / f"final_checksum-{replica_id}.txt").write_text(checksum + "\n")
+        return checksum
+    finally:
+        manager.shutdown(wait=False)
+
+
+def train_steps(session: WorkerSession, cfg: MLPTrainerConfig, model: nn.Module, optim: Any, manager: Any,
+                replica_id: str) -> bool:
+    """The step loop; False when the group stops because its peers already finished the run."""
+    rank, world, device = session.rank, session.world, session.device
     params = list(model.parameters())
-    events.emit("trainer.start", step=0, world_size=world, replica_group=replica_id, resumed=False,
-                node=os.environ.get("ELASTIC_NODE_ID"), mode="replicas")
     loss_fn = nn.MSELoss()
     stream = data_rank(replica_id, rank, world)
     finished = RunFinished()
@@ -191,15 +187,13 @@ def train(cfg_file: _FTTrainerFile, run_dir: Path) -> str | None:
         optim.zero_grad(set_to_none=True)  # quorum; heals from a peer if this group is behind
         t_quorum = time.monotonic() - t0
         if manager.current_step() != before:
-            events.emit("trainer.healed", from_step=before, to_step=manager.current_step(),
-                        quorum_id=manager._quorum_id)
+            session.events.emit("trainer.healed", from_step=before, to_step=manager.current_step(),
+                                quorum_id=manager._quorum_id)
         step = manager.current_step() + 1
-        if finished.seen(step, manager.num_participants(), rank, world):
-            events.emit("trainer.run_finished_by_peers", step=step, replica_group=replica_id)
-            worker.report_done(step)
-            manager.shutdown(wait=False)
-            dist.destroy_process_group()
-            return None  # these weights are not the run's: no checksum
+        if finished.seen(step, manager.num_participants(), rank, world, device):
+            session.events.emit("trainer.run_finished_by_peers", step=step, replica_group=replica_id)
+            session.agent.report_done(step)
+            return False
         x, y = batch_for(cfg, step, stream, device)
         loss = loss_fn(model(x), y)
         loss.backward()
@@ -208,38 +202,25 @@ def train(cfg_file: _FTTrainerFile, run_dir: Path) -> str | None:
             flat_allreduce(manager, params)
         optim.step()  # commits (and steps the inner optimizer) only if the whole quorum votes yes
         wait = t_quorum + time.monotonic() - t_sync
-        committed = manager.current_step() == step
         step_time = time.monotonic() - t0
         loss_value = float(loss.detach())
-        events.emit("trainer.step", step=step, loss=loss_value, step_time=step_time, busy_time=step_time - wait,
-                    committed=committed, participants=manager.num_participants(), quorum_id=manager._quorum_id,
-                    replica_group=replica_id)
-        worker.report_step(step, loss_value, step_time, step_time - wait)
-
-    worker.report_done(cfg.steps)
-    checksum = param_checksum(model)
-    if rank == 0:
-        finished.publish(manager.current_step(), replica_id)
-        (run_dir / f"final_checksum-{replica_id}.txt").write_text(checksum + "\n")
-    publish_checksum(run_dir, rank, checksum)
-    events.emit("trainer.done", step=manager.current_step(), checksum=checksum, replica_group=replica_id)
-    manager.shutdown(wait=False)
-    dist.destroy_process_group()
-    return checksum
+        session.events.emit("trainer.step", step=step, loss=loss_value, step_time=step_time,
+                            busy_time=step_time - wait, committed=manager.current_step() == step,
+                            participants=manager.num_participants(), quorum_id=manager._quorum_id,
+                            replica_group=replica_id)
+        session.agent.report_step(step, loss_value, step_time, step_time - wait)
+    return True
 
 
 @record
 def main(argv: list[str] | None = None) -> int:
-    args = parse_trainer_args("python -m trainer.ft_train", argv)
-    cfg_file = read_trainer_config(load_trainer_config, args.config)
-    if cfg_file is None:
-        return EXIT_CONFIG
-    train(cfg_file, Path(args.run_dir))
+    code = run_worker("python -m trainer.ft_train", MLPTrainerConfig, train, argv, group=replica_group(),
+                      checkpoints=False)
     # Everything is written (events flush per line).  torchft 0.2.0's native teardown at
     # interpreter exit then takes 8-13 s (measured on 2 loaded cores), so skip it.
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -33,19 +33,16 @@ from elastic.checkpoint.format import SafetensorsShardReader
 from elastic.common.config import ConfigError
 from elastic.common.events import EventLog
 from trainer.dit import DiT, build_dit
-from trainer.dit_train import (
-    RESOLVED_CONFIG_NAME,
-    DiTTrainerFile,
-    checkpoint_root,
-    load_trainer_config,
-)
+from elastic.run.schema import RunConfig, load_run_file
+from trainer.dit_config import DiTTrainerConfig
+from trainer.dit_train import RESOLVED_CONFIG_NAME
 from trainer.flow import euler_sample
 
 
 class _ReadOnlyCheckpoints(CheckpointManager):
     """CheckpointManager's discovery and verification without its start-up cleanup."""
 
-    def __init__(self, cfg_file: DiTTrainerFile, root: Path) -> None:
+    def __init__(self, cfg_file: RunConfig, root: Path) -> None:
         self.config = cfg_file.checkpoint
         self.root = root
         self.fingerprint = cfg_file.fingerprint
@@ -76,8 +73,8 @@ class _ModelOnly(Stateful):
         set_model_state_dict(self.model, state_dict["model"])
 
 
-def load_model(cfg_file: DiTTrainerFile, run_dir: Path, step: int | None = None) -> tuple[DiT, int]:
-    ckpts = _ReadOnlyCheckpoints(cfg_file, checkpoint_root(cfg_file, run_dir))
+def load_model(cfg_file: RunConfig, run_dir: Path, step: int | None = None) -> tuple[DiT, int]:
+    ckpts = _ReadOnlyCheckpoints(cfg_file, cfg_file.checkpoint.root(run_dir))
     if step is None:
         step = ckpts.newest_verified()
         if step is None:
@@ -154,8 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     run_dir = Path(args.run_dir)
     try:
-        cfg_file = load_trainer_config(args.config or run_dir / RESOLVED_CONFIG_NAME)
-    except (ConfigError, OSError) as exc:
+        cfg_file = load_run_file(args.config or run_dir / RESOLVED_CONFIG_NAME, DiTTrainerConfig)
+    except ConfigError as exc:
         print(f"sample: config error: {exc}", file=sys.stderr)
         return 2
     try:

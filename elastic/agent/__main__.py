@@ -2,6 +2,6 @@
 
 import sys
 
-from elastic.agent.node import main
+from elastic.agent.main import main
 
 sys.exit(main())

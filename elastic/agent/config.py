@@ -7,6 +7,7 @@ from typing import Literal
 
 from elastic.common.config import ConfigError
 from elastic.agent.metrics import MetricsConfig
+from elastic.control.leader import LeaderConfig
 from elastic.control.keys import DEFAULT_KEY_PREFIX
 
 
@@ -80,42 +81,6 @@ class FailurePolicy:
         if kind in _UNCOUNTED:
             return "restart"
         return self.actions.get(kind, DEFAULT_ACTIONS.get(kind, "restart"))
-
-
-@dataclass(kw_only=True)
-class LeaderConfig:
-    ttl_s: int = 3
-    """Lease TTL of the leader key: a dead leader is replaced within about this long."""
-    interval_s: float = 1.0
-    """How often the leader evaluates cluster policy."""
-    straggler_factor: float = 2.0
-    """A node is slow when its busy step time exceeds this multiple of the other nodes' median."""
-    straggler_min_excess_s: float = 0.05
-    """... and exceeds it by at least this many seconds (noise floor for tiny steps)."""
-    straggler_evaluations: int = 3
-    """Consecutive slow evaluations before a node counts as a straggler."""
-    straggler_action: Literal["flag", "exclude"] = "flag"
-    lemon_failures: int = 3
-    """Counted failures of one node within lemon_window_s that exclude it; 0 disables."""
-    lemon_window_s: float = 600.0
-    exclusion_ttl_s: float = 3600.0
-
-    def __post_init__(self) -> None:
-        if self.ttl_s < 2:
-            raise ConfigError("ttl_s", "must be >= 2")
-        if self.interval_s <= 0:
-            raise ConfigError("interval_s", "must be > 0")
-        if self.straggler_factor <= 1:
-            raise ConfigError("straggler_factor", "must be > 1")
-        if self.straggler_min_excess_s < 0:
-            raise ConfigError("straggler_min_excess_s", "must be >= 0")
-        if self.straggler_evaluations < 1:
-            raise ConfigError("straggler_evaluations", "must be >= 1")
-        if self.lemon_failures < 0:
-            raise ConfigError("lemon_failures", "must be >= 0")
-        for name in ("lemon_window_s", "exclusion_ttl_s"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(name, "must be > 0")
 
 
 @dataclass(kw_only=True)

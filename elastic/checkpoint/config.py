@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from elastic.common.config import ConfigError
 
@@ -52,3 +53,8 @@ class CheckpointConfig:
             raise ConfigError("keep_last", "must be >= 1")
         if not 0 <= self.writer_nice <= 19:
             raise ConfigError("writer_nice", "must be in 0..19")
+
+    def root(self, run_dir: str | Path) -> Path:
+        """The checkpoint root of a run: ``dir``, relative to the run directory unless absolute."""
+        path = Path(self.dir)
+        return path if path.is_absolute() else Path(run_dir) / path

@@ -86,7 +86,7 @@ from elastic.common import collectives
 from elastic.checkpoint.memory import MemoryFastPath, RecordingStager, as_state_dicts
 from elastic.checkpoint.format import MANIFEST_FILE, SafetensorsShardReader, SafetensorsShardWriter, read_extra, read_manifest
 from elastic.checkpoint.publish import EtcdCheckpointPublisher, publisher_from_env
-from elastic.checkpoint.storage import CheckpointStorage, LocalStorage, storage_for_save
+from elastic.checkpoint.storage import CheckpointStorage, LocalStorage
 from elastic.common.events import EventLog
 from elastic.checkpoint.memstate import MemStateClient
 
@@ -189,8 +189,8 @@ class CheckpointManager:
     (RNG states, ...) stored in the rank's shard.
 
     ``publisher(step, path)`` is called by rank 0 after each commit (errors are
-    events).  ``storage`` is the write seam; by default local files, wrapped
-    with ``ELASTIC_CKPT_FAIL_WRITE`` fault injection when that is set.
+    events).  ``storage`` is the write seam; by default local files (the worker
+    session wraps it with the run's checkpoint-write faults).
     With ``config.memory.enabled`` each saved state is also pushed to the node
     agent's in-memory cache and :meth:`load_latest` tries that first
     (:mod:`elastic.checkpoint.memory`); ``memory_client`` overrides the cache
@@ -277,7 +277,7 @@ class CheckpointManager:
                 torch.save(extra, buf)
                 blob = buf.getvalue()
             writer = SafetensorsShardWriter(
-                tmp, step, self._rank, storage_for_save(self.storage, self._rank), blob, nice=self.config.writer_nice
+                tmp, step, self._rank, self.storage, blob, nice=self.config.writer_nice
             )
             # The memory push reuses DCP's staged copy (async) or the live state, which the
             # training thread does not touch until a synchronous save has finished.

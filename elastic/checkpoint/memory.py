@@ -45,6 +45,7 @@ from torch.distributed.tensor import DTensor
 
 from elastic.checkpoint.config import MemoryCacheConfig
 from elastic.common import collectives
+from elastic.common.env import EPOCH_ENV
 from elastic.common.events import EventLog
 from elastic.checkpoint.memstate import EntryMeta, MemStateClient, MemStateError, reject_reason, sha256_bytes, sha256_chunks
 
@@ -251,7 +252,7 @@ class MemoryFastPath:
             events.emit("checkpoint.memory_unavailable", reason="no agent cache (ELASTIC_MEMSTATE_ADDR unset)")
             return None
         return cls(client, fingerprint, events, group, slot=int(env.get("LOCAL_RANK", 0)),
-                   epoch=int(env.get("ELASTIC_EPOCH", 0)))
+                   epoch=int(env.get(EPOCH_ENV) or 0))
 
     # -- save side -------------------------------------------------------------------
     def push(self, step: int, checkpoint_id: str, tree: Mapping[str, Any], extra: bytes) -> None:

@@ -37,12 +37,11 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from elastic.common.env import MEMSTATE_ADDR_ENV, MEMSTATE_TOKEN_ENV
 from elastic.common.events import EventLog
 
 log = logging.getLogger(__name__)
 
-MEMSTATE_ADDR_ENV = "ELASTIC_MEMSTATE_ADDR"
-MEMSTATE_TOKEN_ENV = "ELASTIC_MEMSTATE_TOKEN"
 _MAX_HEADER = 64 * 1024
 _CHUNK = 4 << 20
 

@@ -10,30 +10,26 @@ directory's COMMIT marker and checksums.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from collections.abc import Mapping
 from typing import Any, Protocol
 
+from elastic.common.env import ETCD_ENDPOINT_ENV, RUN_PREFIX_ENV
+from elastic.control.keys import RunKeys
+from elastic.control.runstate import RunState
 from elastic.control.store import EtcdStore, KVStore
-from elastic.worker.channel import ETCD_ENDPOINT_ENV, RUN_PREFIX_ENV
 
 
 class CheckpointPublisher(Protocol):
     def __call__(self, step: int, path: str) -> None: ...
 
 
-def latest_key(run_prefix: str) -> str:
-    return f"{run_prefix.rstrip('/')}/checkpoint/latest"
-
-
 class EtcdCheckpointPublisher:
     """Writes the newest committed checkpoint of a run to etcd."""
 
     def __init__(self, store: KVStore, run_prefix: str, world_size: int | None = None) -> None:
-        self.store = store
-        self.run_prefix = run_prefix
+        self.state = RunState(store, RunKeys(run_prefix))
         self.world_size = world_size
 
     def _world_size(self) -> int:
@@ -45,13 +41,12 @@ class EtcdCheckpointPublisher:
 
     def __call__(self, step: int, path: str) -> None:
         record = {"step": step, "path": str(path), "ts": time.time(), "world_size": self._world_size()}
-        self.store.put(latest_key(self.run_prefix), json.dumps(record))
+        self.state.publish_checkpoint(record)
 
 
 def read_latest(store: KVStore, run_prefix: str) -> dict[str, Any] | None:
     """The record last published for ``run_prefix``, or None."""
-    kv = store.get(latest_key(run_prefix))
-    return None if kv is None else json.loads(kv.value)
+    return RunState(store, RunKeys(run_prefix)).latest_checkpoint()
 
 
 def publisher_from_env(environ: Mapping[str, str] | None = None) -> EtcdCheckpointPublisher | None:

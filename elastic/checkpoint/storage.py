@@ -5,15 +5,12 @@ through :meth:`CheckpointStorage.write_file`, so a test or the chaos suite can
 make the write path fail for real.  :class:`LocalStorage` is the only
 production implementation (local or network-mounted filesystem).
 
-Fault injection for chaos runs is configured by one environment variable,
-read at every save so a worker inherits it from its launcher::
-
-    ELASTIC_CKPT_FAIL_WRITE=STEP[:RANK][,STEP[:RANK]...]
-
-e.g. ``12`` (every rank fails the save of step 12) or ``12:1,20`` (rank 1
-fails step 12, every rank fails step 20).  A matching save writes part of its
-first file and then raises ``OSError(ENOSPC)`` from inside the write loop,
-which is what a full disk looks like to the writer.
+Fault injection: :class:`FaultInjectingStorage` wraps a storage with a predicate
+over the step being saved; the worker session builds it from the run's fault files
+(``{"kind": "ckpt_write_error", "step": 12, "rank": 1}``, see
+:mod:`elastic.worker.faults`).  A failing save writes part of its first file and
+then raises ``OSError(ENOSPC)`` from inside the write loop, which is what a full
+disk looks like to the writer.
 """
 
 from __future__ import annotations
@@ -21,11 +18,9 @@ from __future__ import annotations
 import errno
 import os
 import shutil
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Protocol, runtime_checkable
-
-FAIL_WRITE_ENV = "ELASTIC_CKPT_FAIL_WRITE"
 
 Chunk = bytes | bytearray | memoryview
 
@@ -61,24 +56,14 @@ class LocalStorage:
 
 
 class FaultInjectingStorage:
-    """Wraps a storage; saves of the chosen steps run out of disk space part-way.
+    """Wraps a storage; the saves that ``fails(step)`` picks run out of disk space part-way."""
 
-    ``faults`` maps a step to the set of ranks that fail it (``None``: all ranks).
-    """
-
-    def __init__(self, inner: CheckpointStorage, faults: Mapping[int, set[int] | None], rank: int) -> None:
+    def __init__(self, inner: CheckpointStorage, fails: Callable[[int], bool]) -> None:
         self.inner = inner
-        self.faults = dict(faults)
-        self.rank = rank
-
-    def _fails(self, step: int) -> bool:
-        if step not in self.faults:
-            return False
-        ranks = self.faults[step]
-        return ranks is None or self.rank in ranks
+        self.fails = fails
 
     def write_file(self, path: Path, chunks: Iterable[Chunk], step: int) -> int:
-        if self._fails(step):
+        if self.fails(step):
             return self.inner.write_file(path, _run_out_of_space(chunks, path), step)
         return self.inner.write_file(path, chunks, step)
 
@@ -92,32 +77,4 @@ def _run_out_of_space(chunks: Iterable[Chunk], path: Path) -> Iterator[Chunk]:
         view = memoryview(chunk).cast("B")
         yield view[: max(1, view.nbytes // 2)]
         break
-    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC) + " (injected by " + FAIL_WRITE_ENV + ")", str(path))
-
-
-def parse_fail_write(spec: str) -> dict[int, set[int] | None]:
-    """Parse the ``ELASTIC_CKPT_FAIL_WRITE`` syntax; raises ValueError on garbage."""
-    faults: dict[int, set[int] | None] = {}
-    for part in spec.split(","):
-        part = part.strip()
-        if not part:
-            continue
-        step_text, sep, rank_text = part.partition(":")
-        step = int(step_text)
-        if not sep:
-            faults[step] = None
-            continue
-        current = faults.get(step, set())
-        if current is None:  # already "all ranks"
-            continue
-        current.add(int(rank_text))
-        faults[step] = current
-    return faults
-
-
-def storage_for_save(base: CheckpointStorage, rank: int, environ: Mapping[str, str] | None = None) -> CheckpointStorage:
-    """``base``, wrapped with fault injection if ``ELASTIC_CKPT_FAIL_WRITE`` is set."""
-    spec = (os.environ if environ is None else environ).get(FAIL_WRITE_ENV, "")
-    if not spec.strip():
-        return base
-    return FaultInjectingStorage(base, parse_fail_write(spec), rank)
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC) + " (injected fault)", str(path))

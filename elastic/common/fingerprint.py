@@ -2,7 +2,7 @@
 
 Two uses share :func:`config_hash`:
 
-* the checkpoint fingerprint (:meth:`launch.config.RunConfig.compute_fingerprint`):
+* the checkpoint fingerprint (:meth:`elastic.run.schema.RunConfig.compute_fingerprint`):
   only what changes the meaning of saved state, so a checkpoint of another
   config is never loaded;
 * the join fingerprint (:mod:`elastic.control.admission`): the whole run config minus

@@ -34,6 +34,7 @@ from typing import Any, Literal
 from elastic.common.config import ConfigError
 from elastic.control.etcd_security import read_secret_file
 from elastic.common.fingerprint import code_hash, config_hash
+from elastic.control.keys import RunKeys
 
 EXIT_WRONG_TOKEN = 94
 EXIT_FINGERPRINT = 95
@@ -115,11 +116,11 @@ class Admission:
     fingerprint: dict[str, str] = field(default_factory=dict)
     join_check: str = "refuse"
 
-    def check(self, store: Any, prefix: str, events: Any) -> None:
+    def check(self, store: Any, keys: RunKeys, events: Any) -> None:
         """Record or verify the run's token and fingerprint; raise :class:`Refused` if this node may not join."""
-        self._check_token(store, f"{prefix}/admission/token", events)
+        self._check_token(store, keys.admission_token, events)
         if self.join_check != "off":
-            self._check_fingerprint(store, f"{prefix}/admission/fingerprint", events)
+            self._check_fingerprint(store, keys.admission_fingerprint, events)
 
     def _record_or_read(self, store: Any, key: str, fresh: Callable[[], dict[str, Any]]) -> dict[str, Any] | None:
         """Create the record (None: this node recorded it) or return the one already there."""

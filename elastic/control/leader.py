@@ -27,15 +27,53 @@ import json
 import statistics
 import threading
 import time
-from typing import Callable
+from dataclasses import dataclass
+from typing import Callable, Literal
 
-from elastic.agent.config import LeaderConfig
+from elastic.common.config import ConfigError
 from elastic.common.events import EventLog
-from elastic.control.store import EtcdStore, LeaseExpired, StoreError
+from elastic.control.runstate import RunState
+from elastic.control.store import KVStore, LeaseExpired, StoreError
+
+
+@dataclass(kw_only=True)
+class LeaderConfig:
+    ttl_s: int = 3
+    """Lease TTL of the leader key: a dead leader is replaced within about this long."""
+    interval_s: float = 1.0
+    """How often the leader evaluates cluster policy."""
+    straggler_factor: float = 2.0
+    """A node is slow when its busy step time exceeds this multiple of the other nodes' median."""
+    straggler_min_excess_s: float = 0.05
+    """... and exceeds it by at least this many seconds (noise floor for tiny steps)."""
+    straggler_evaluations: int = 3
+    """Consecutive slow evaluations before a node counts as a straggler."""
+    straggler_action: Literal["flag", "exclude"] = "flag"
+    lemon_failures: int = 3
+    """Counted failures of one node within lemon_window_s that exclude it; 0 disables."""
+    lemon_window_s: float = 600.0
+    exclusion_ttl_s: float = 3600.0
+
+    def __post_init__(self) -> None:
+        if self.ttl_s < 2:
+            raise ConfigError("ttl_s", "must be >= 2")
+        if self.interval_s <= 0:
+            raise ConfigError("interval_s", "must be > 0")
+        if self.straggler_factor <= 1:
+            raise ConfigError("straggler_factor", "must be > 1")
+        if self.straggler_min_excess_s < 0:
+            raise ConfigError("straggler_min_excess_s", "must be >= 0")
+        if self.straggler_evaluations < 1:
+            raise ConfigError("straggler_evaluations", "must be >= 1")
+        if self.lemon_failures < 0:
+            raise ConfigError("lemon_failures", "must be >= 0")
+        for name in ("lemon_window_s", "exclusion_ttl_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(name, "must be > 0")
 
 
 class LeaderElection:
-    def __init__(self, store: EtcdStore, key: str, node_id: str, ttl_s: int) -> None:
+    def __init__(self, store: KVStore, key: str, node_id: str, ttl_s: int) -> None:
         self.store = store
         self.key = key
         self.node_id = node_id
@@ -144,18 +182,16 @@ class ClusterPolicy:
 class LeaderLoop:
     """Background thread of every agent: campaign, and run the policy while leader."""
 
-    def __init__(self, store: EtcdStore, prefix: str, node_id: str, config: LeaderConfig,
-                 policy: ClusterPolicy, events: EventLog, is_excluded: Callable[[str], bool],
+    def __init__(self, state: RunState, node_id: str, config: LeaderConfig,
+                 policy: ClusterPolicy, events: EventLog,
                  on_tick: Callable[[bool], None] | None = None) -> None:
-        self.is_excluded = is_excluded
         # Called with is_leader after every election attempt, from the leader thread.
         self.on_tick = on_tick
-        self.store = store
-        self.prefix = prefix
+        self.state = state
         self.config = config
         self.policy = policy
         self.events = events
-        self.election = LeaderElection(store, f"{prefix}/leader", node_id, config.ttl_s)
+        self.election = LeaderElection(state.store, state.keys.leader, node_id, config.ttl_s)
         self.is_leader = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="leader", daemon=True)
@@ -185,35 +221,15 @@ class LeaderLoop:
                 self.on_tick(leader)
             if leader:
                 try:
-                    for node in list(self.policy.excluded_by_policy):
-                        if not self.is_excluded(node):  # expired or cleared: the node may return
-                            self.policy.forget(node)
-                    self.policy.evaluate_stragglers(self.read_heartbeats())
-                    self.policy.evaluate_lemons(self.read_failures())
+                    self.evaluate()
                 except StoreError as exc:
                     self.events.emit("leader.store_error", error=str(exc))
 
-    def read_heartbeats(self) -> dict[str, dict]:
-        out = {}
-        base = f"{self.prefix}/heartbeat/"
-        epoch_kv = self.store.get(f"{self.prefix}/epoch")
-        epoch = int(epoch_kv.value) if epoch_kv else 0
-        for kv in self.store.get_prefix(base):
-            try:
-                hb = json.loads(kv.value)
-            except json.JSONDecodeError:
-                continue
-            if hb.get("epoch") == epoch:  # compare nodes of the same membership only
-                out[kv.key[len(base):]] = hb
-        return out
-
-    def read_failures(self) -> dict[str, list[float]]:
-        out: dict[str, list[float]] = {}
-        base = f"{self.prefix}/failures/"
-        for kv in self.store.get_prefix(base):
-            node = kv.key[len(base):].split("/", 1)[0]
-            try:
-                out.setdefault(node, []).append(float(json.loads(kv.value)["ts"]))
-            except (json.JSONDecodeError, KeyError, TypeError, ValueError):
-                continue
-        return out
+    def evaluate(self) -> None:
+        """One round of the cluster policy (the leader's job), from the run's records."""
+        for node in list(self.policy.excluded_by_policy):
+            if self.state.exclusions.get(node) is None:  # expired or cleared: the node may return
+                self.policy.forget(node)
+        # Compare nodes of the same membership only.
+        self.policy.evaluate_stragglers(self.state.heartbeats(epoch=self.state.epoch()))
+        self.policy.evaluate_lemons(self.state.failures())

@@ -45,11 +45,11 @@ class Exclusions:
         self.keys = keys if isinstance(keys, RunKeys) else RunKeys(keys)
         self.clock = clock
 
-    def add(self, node_id: str, reason: str, ttl_s: float | None = None, by: str = "") -> None:
+    def add(self, node_id: str, reason: str, ttl_s: float | None = None, by: str = "", **extra: Any) -> None:
+        """Exclude ``node_id`` for ``ttl_s`` seconds (None or 0: until cleared); ``extra`` goes into the record."""
         now = self.clock()
-        until = now + ttl_s if ttl_s else None
-        self.store.put(self.keys.excluded(node_id), json.dumps({"reason": reason, "until": until, "by": by,
-                                                                "ts": now}))
+        record = {"reason": reason, "until": now + ttl_s if ttl_s else None, "by": by, "ts": now, **extra}
+        self.store.put(self.keys.excluded(node_id), json.dumps(record, default=str))
 
     def get(self, node_id: str) -> dict | None:
         """The active exclusion record of a node, or None (expired records count as absent)."""

@@ -48,7 +48,7 @@ from torch.distributed.elastic.rendezvous import (
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend, Token, create_handler
 
 from elastic.control.etcd_security import EtcdSecurity
-from elastic.control.keys import BACKEND_NAME, DEFAULT_KEY_PREFIX, run_prefix
+from elastic.control.keys import BACKEND_NAME, DEFAULT_KEY_PREFIX, RunKeys
 from elastic.control.store import EtcdStore, StoreError, StoreTimeout, StoreUnavailable
 
 # Stored value = magic + base64(pickled state).  The magic makes a foreign or
@@ -65,7 +65,7 @@ class Etcd3RendezvousBackend(RendezvousBackend):
         if not run_id:
             raise ValueError("The run id must be a non-empty string.")
         self._store = store
-        self._key = f"{run_prefix(key_prefix, run_id)}/rdzv/state"
+        self._key = RunKeys.of(key_prefix, run_id).rdzv("state")
         self._conflicts = 0  # consecutive lost compare-and-swaps (see _back_off)
 
     @property
@@ -230,5 +230,5 @@ def create_etcd3_handler(params: RendezvousParameters) -> RendezvousHandler:
     except ValueError as exc:
         raise ValueError(f"--rdzv-endpoint: {exc}") from None
     backend = Etcd3RendezvousBackend(store, params.run_id, key_prefix)
-    c10d_store = EtcdC10dStore(store, f"{run_prefix(key_prefix, params.run_id)}/c10d")
+    c10d_store = EtcdC10dStore(store, RunKeys.of(key_prefix, params.run_id).c10d_store)
     return create_handler(c10d_store, backend, params)

@@ -54,20 +54,3 @@ class ReplicaConfig:
         for name in ("lighthouse_wait_s", "quorum_timeout_s", "timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(name, "must be > 0")
-
-
-REPLICA_ENTRYPOINT = ["-m", "trainer.ft_train"]
-"""The trainer that speaks torchft; the default and DiT trainers do not."""
-_NON_FT_ENTRYPOINTS = (["-m", "trainer.train"], ["-m", "trainer.dit_train"])
-
-
-def check_replica_launch(replicas: ReplicaConfig, entrypoint: list[str], max_nodes: int) -> None:
-    """Cross-section checks of a run in replica-group mode (paths relative to the run config)."""
-    if not replicas.enabled:
-        return
-    if entrypoint in _NON_FT_ENTRYPOINTS:
-        raise ConfigError("launch.entrypoint", f"{entrypoint} has no torchft support; replica-group mode "
-                          f"(replicas.enabled) needs a torchft trainer such as {REPLICA_ENTRYPOINT}")
-    if replicas.min_replicas > max_nodes:
-        raise ConfigError("replicas.min_replicas", f"{replicas.min_replicas} exceeds the {max_nodes} replica "
-                          f"groups launch.nodes allows (one group per node)")

@@ -1,4 +1,4 @@
-"""Run torchft's Lighthouse without importing torch: ``python elastic/lighthouse_main.py --bind ...``.
+"""Run torchft's Lighthouse without importing torch: ``python elastic/replicas/lighthouse_main.py --bind ...``.
 
 The Lighthouse is a Rust server inside the ``torchft._torchft`` extension module.
 Going through the ``torchft_lighthouse`` console script imports the ``torchft``

@@ -33,14 +33,12 @@ from elastic.control.etcd_server import free_port
 from elastic.common.events import EventLog
 from elastic.common.procs import child_preexec, terminate_tree
 from elastic.replicas.config import ReplicaConfig
-from elastic.control.store import EtcdStore, StoreError
+from elastic.control.runstate import RunState
+from elastic.control.store import StoreError
 
-LIGHTHOUSE_KEY = "torchft/lighthouse"
-FINISHED_KEY = "torchft/finished"
-"""Set (under the run prefix) by the first replica group that trained the last step."""
 _TERMINAL = frozenset({"SUCCEEDED", "GAVE_UP", "EXCLUDED", "STOPPED"})
 # The Lighthouse lives in torchft's extension module; this launcher loads it without
-# importing torch (see elastic/lighthouse_main.py for why).
+# importing torch (see lighthouse_main.py for why).
 _LIGHTHOUSE_MAIN = Path(__file__).with_name("lighthouse_main.py")
 
 
@@ -114,15 +112,15 @@ class LighthouseHost:
 class ReplicaRuntime:
     """What an agent does differently in replica-group mode."""
 
-    def __init__(self, config: ReplicaConfig, store: EtcdStore, prefix: str, node_id: str, run_id: str,
+    def __init__(self, config: ReplicaConfig, state: RunState, node_id: str, run_id: str,
                  run_dir: Path, events: EventLog) -> None:
         self.config = config
-        self.store = store
-        self.prefix = prefix
+        self.state = state
+        self.store = state.store
         self.node_id = node_id
         self.run_id = run_id
         self.events = events
-        self.key = f"{prefix}/{LIGHTHOUSE_KEY}"
+        self.key = state.keys.lighthouse
         self.host = LighthouseHost(config, run_dir / "logs" / f"lighthouse-{node_id}.log")
         self._lock = threading.Lock()
 
@@ -199,11 +197,10 @@ class ReplicaRuntime:
     def _wait_peers_done(self, timeout: float) -> None:
         # The other groups' last quorum and commit go through this Lighthouse.
         deadline = time.monotonic() + timeout
-        base = f"{self.prefix}/nodes/"
         while time.monotonic() < deadline:
             try:
-                states = {kv.key[len(base):]: json.loads(kv.value).get("state") for kv in self.store.get_prefix(base)}
-            except (StoreError, json.JSONDecodeError):
+                states = {node: record.get("state") for node, record in self.state.nodes().items()}
+            except StoreError:
                 return
             if all(state in _TERMINAL for node, state in states.items() if node != self.node_id):
                 return

@@ -23,19 +23,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from elastic.common.env import AGENT_ADDR_ENV, SKIP_STEPS_ENV
 from elastic.common.procs import set_parent_death_signal
 
-AGENT_ADDR_ENV = "ELASTIC_AGENT_ADDR"
-ETCD_ENDPOINT_ENV = "ELASTIC_ETCD_ENDPOINT"
-RUN_PREFIX_ENV = "ELASTIC_RUN_PREFIX"
 
 # A worker that stops because of bad numerics (NaN/Inf, loss spike) exits with this code
 # after report_numerics(), so its agent can roll back instead of plainly restarting.
 EXIT_NUMERICS = 87
-PG_TIMEOUT_ENV = "ELASTIC_PG_TIMEOUT"
 
 
-SKIP_STEPS_ENV = "ELASTIC_SKIP_STEPS"
 
 
 def skip_steps(text: str | None = None) -> frozenset[int]:
@@ -46,13 +42,6 @@ def skip_steps(text: str | None = None) -> frozenset[int]:
         lo, _, hi = part.partition("-")
         steps.update(range(int(lo), int(hi or lo) + 1))
     return frozenset(steps)
-
-
-def pg_timeout(default_s: float = 600.0):
-    """Collective timeout chosen by the agent (kept below its hang detection), as a timedelta."""
-    from datetime import timedelta
-
-    return timedelta(seconds=float(os.environ.get(PG_TIMEOUT_ENV, default_s)))
 
 
 @dataclass

@@ -32,6 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from elastic.common.env import NODE_ID_ENV
+
 FAULTS_DIR = "faults"
 ONCE_BY_DEFAULT = {"nan_loss": True, "hang": True, "exit": True, "ckpt_write_error": True, "straggle": False}
 KINDS = frozenset(ONCE_BY_DEFAULT)
@@ -107,7 +109,7 @@ class FaultHooks:
                  node: str | None = None) -> None:
         self.run_dir = Path(run_dir)
         self.rank = rank
-        self.node = node if node is not None else os.environ.get("ELASTIC_NODE_ID")
+        self.node = node if node is not None else os.environ.get(NODE_ID_ENV)
         self.events = events
         self.poll_s = poll_s
         self._cache: list[Fault] = []
@@ -165,3 +167,7 @@ class FaultHooks:
 
             return OSError(errno.ENOSPC, f"No space left on device (injected at step {step})")
         return None
+
+    def checkpoint_write_fails(self, step: int) -> bool:
+        """The predicate of :class:`~elastic.checkpoint.storage.FaultInjectingStorage` (fires the fault)."""
+        return self.checkpoint_write_error(step) is not None

@@ -3,7 +3,7 @@
 Run by ``tests/test_checkpoint_multiproc.py``; this process imports torch
 once and forks one child per rank (with ``RANK``/``WORLD_SIZE``/``MASTER_*``)::
 
-    python tests/test_checkpoint_worker.py SCENARIO WORLD WORKDIR PORT
+    python tests/workers/checkpoint_worker.py SCENARIO WORLD WORKDIR PORT
 
 Each scenario asserts what it can see from inside a rank and writes events to
 ``WORKDIR/events-rank<R>.jsonl``; the pytest side checks exit codes, event
@@ -23,7 +23,7 @@ from typing import Any
 
 # Before torch: importing torch.distributed loads the ``torchrun.handlers`` entry point,
 # which imports ``elastic`` from wherever the project is installed, not this checkout.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -36,7 +36,8 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 
 from elastic.checkpoint.manager import CheckpointConfig, CheckpointManager  # noqa: E402
 from elastic.checkpoint.publish import EtcdCheckpointPublisher, read_latest  # noqa: E402
-from elastic.checkpoint.storage import LocalStorage  # noqa: E402
+from elastic.checkpoint.storage import FaultInjectingStorage, LocalStorage  # noqa: E402
+from elastic.worker.faults import FaultHooks  # noqa: E402
 from elastic.common.events import EventLog  # noqa: E402
 from elastic.control.store import EtcdStore  # noqa: E402
 
@@ -165,7 +166,9 @@ def scenario_main(workdir: Path) -> None:
     endpoint = os.environ.get(ETCD_ENV)
     if endpoint and rank == 0:
         publisher = EtcdCheckpointPublisher(EtcdStore(endpoint), PREFIX)
-    mgr = rig.manager(publisher=publisher, storage=GatedStorage(workdir, {2, 4}))
+    # Checkpoint-write faults come from the run's fault files, as in a trainer's worker session.
+    storage = FaultInjectingStorage(GatedStorage(workdir, {2, 4}), FaultHooks(workdir, rank).checkpoint_write_fails)
+    mgr = rig.manager(publisher=publisher, storage=storage)
 
     # 1. save() returns after staging while the writes are still blocked; the optimizer
     #    then mutates the weights, and the checkpoint must still hold the step-2 state.
@@ -208,7 +211,7 @@ def scenario_main(workdir: Path) -> None:
     assert mgr.last_error is None, mgr.last_error
     assert mgr.committed_steps() == [4, 6], mgr.committed_steps()  # keep_last=2 dropped 2
 
-    # 3. Disk full on rank 1 for step 8 (ELASTIC_CKPT_FAIL_WRITE=8:1 from the test).
+    # 3. Disk full on rank 1 for step 8 (a ckpt_write_error fault file from the test).
     for step in (7, 8):
         rig.train(step)
     mgr.save(8, rig.state, extra={"rank": rank})

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from elastic.common.config import ConfigError
+from elastic.common.env import EPOCH_ENV
 
 
 @dataclass(kw_only=True)
@@ -46,7 +47,7 @@ class ScalarLog:
         from torch.utils.tensorboard import SummaryWriter
 
         root = Path(config.dir) if Path(config.dir).is_absolute() else run_dir / config.dir
-        log_dir = root / f"e{os.environ.get('ELASTIC_EPOCH', '0')}-{os.getpid()}"
+        log_dir = root / f"e{os.environ.get(EPOCH_ENV) or '0'}-{os.getpid()}"
         self._writer = SummaryWriter(log_dir=str(log_dir), flush_secs=int(max(config.flush_s, 1)))
         self.log_dir = log_dir
 

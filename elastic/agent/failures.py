@@ -1,0 +1,104 @@
+"""After a failed attempt: what was it, does it count, and what does the policy say to do.
+
+:class:`FailureHandler` turns an :class:`~elastic.agent.attempt.AttemptResult` into a
+:class:`Decision` (class, detail, counted, action); the agent carries the action out.  A
+failure caused by another node (a lost peer, a stall behind a hung peer) is not counted
+against this node's restart budget or its lemon record.  A numerics failure is a rollback:
+the bad batch range is recorded once for the run (:meth:`RunState.record_rollback`).
+
+:class:`ProgressGuard` stops a crash loop: too many restarts (any cause) without a new
+committed checkpoint stop the run instead of burning the cluster.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from elastic.agent.attempt import AttemptResult
+from elastic.agent.classify import UNCOUNTED, FailureKind, classify
+from elastic.agent.config import FailurePolicy
+from elastic.common.events import EventLog
+from elastic.control.runstate import RollbackVerdict, RunState
+from elastic.control.store import StoreError
+
+
+@dataclass(frozen=True)
+class Decision:
+    kind: FailureKind
+    detail: str
+    counted: bool
+    action: str  # restart | rescreen | exclude | stop (a rollback resolves to restart or stop)
+    reason: str = ""  # for stop / exclude: the one line that says why
+
+
+class FailureHandler:
+    def __init__(self, policy: FailurePolicy, node_id: str, state: RunState, events: EventLog) -> None:
+        self.policy = policy
+        self.node_id = node_id
+        self.state = state
+        self.events = events
+        self.failures = 0  # counted failures of this node
+
+    def decide(self, result: AttemptResult, epoch: int) -> Decision:
+        kind, detail = (result.kind, result.detail) if result.kind else _classify(result)
+        action = self.policy.action(kind.value)
+        counted = kind not in UNCOUNTED
+        if action == "rollback":
+            verdict = self._rollback(result.numerics_step, detail, epoch)
+            if verdict.action == "stop":
+                return Decision(kind, detail, False, "stop", verdict.reason)
+            counted = counted and verdict.action != "duplicate"  # one NaN, reported by every node
+            action = "restart"
+        if counted:
+            self.failures += 1
+            try:
+                self.state.record_failure(self.node_id, kind.value, epoch)
+            except StoreError as exc:
+                self.events.emit("agent.store_error", op="record_failure", error=str(exc))
+        return Decision(kind, detail, counted, action, f"{kind.value}: {detail}")
+
+    def _rollback(self, bad_step: int | None, detail: str, epoch: int) -> RollbackVerdict:
+        if bad_step is None:
+            return RollbackVerdict("stop", f"numerics failure without a step ({detail})")
+        verdict = self.state.record_rollback(bad_step, epoch, self.node_id, self.policy.skip_before,
+                                             self.policy.max_rollbacks)
+        if verdict.action == "rollback":
+            self.events.emit("agent.rollback", bad_step=bad_step, skip=[list(r) for r in verdict.skip],
+                             rollbacks=verdict.rollbacks, detail=detail)
+        return verdict
+
+
+def _classify(result: AttemptResult) -> tuple[FailureKind, str]:
+    assert result.attempt_dir is not None
+    try:
+        log = (result.attempt_dir / "torchrun.log").read_text(errors="replace")
+    except OSError:
+        log = ""
+    return classify(result.attempt_dir, result.rc, log, numerics_reported=result.numerics_step is not None)
+
+
+class ProgressGuard:
+    """Counts restarts since the last new committed checkpoint; says when to give up."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.last_commit = -1
+        self.restarts_since_progress = 0
+
+    def observe_commit(self, step: int) -> None:
+        if step > self.last_commit:
+            self.last_commit = step
+            self.restarts_since_progress = 0
+
+    def restarted(self) -> None:
+        self.restarts_since_progress += 1
+
+    def check(self, latest: dict | None) -> str | None:
+        """After a restart: None to go on, or why the run should stop."""
+        if latest and int(latest.get("step", -1)) > self.last_commit:
+            self.last_commit = int(latest["step"])
+            self.restarts_since_progress = 1  # progress since the last restart: only this one counts
+        if self.limit and self.restarts_since_progress > self.limit:
+            return (f"no progress: {self.restarts_since_progress - 1} restarts without a new "
+                    f"committed checkpoint (no_progress_restarts={self.limit})")
+        return None

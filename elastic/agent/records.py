@@ -1,0 +1,51 @@
+"""This node's own records in etcd: the node record and the heartbeat, both on its lease.
+
+Publishing must never take the agent down: etcd being briefly unreachable is an event
+(``agent.store_error``), not an exception; the workers do not need etcd between rendezvous.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from elastic.common.events import EventLog
+from elastic.control.runstate import RunState
+from elastic.control.store import LeaseKeeper, StoreError
+
+T = TypeVar("T")
+
+
+class NodeRecords:
+    def __init__(self, state: RunState, node_id: str, events: EventLog, metrics_address: Callable[[], Any]) -> None:
+        self.state = state
+        self.node_id = node_id
+        self.events = events
+        self.metrics_address = metrics_address
+        self.lease: LeaseKeeper | None = None
+
+    @property
+    def lease_id(self) -> int | None:
+        return self.lease.lease_id if self.lease is not None else None
+
+    def quietly(self, op: str, fn: Callable[[], T]) -> T | None:
+        """``fn()``, or None after an ``agent.store_error`` event when etcd fails."""
+        try:
+            return fn()
+        except StoreError as exc:
+            self.events.emit("agent.store_error", op=op, error=str(exc))
+            return None
+
+    def publish_node(self, agent_state: str, failures: int) -> None:
+        if self.lease is None:
+            return
+        record = {"node": self.node_id, "host": socket.gethostname(), "pid": os.getpid(), "state": agent_state,
+                  "failures": failures, "ts": time.time(), "metrics": self.metrics_address()}
+        self.quietly("publish_node", lambda: self.state.put_node(self.node_id, record, lease=self.lease_id))
+
+    def heartbeat(self, epoch: int, agent_state: str, summary: dict[str, Any]) -> None:
+        record = {"node": self.node_id, "epoch": epoch, "state": agent_state, "ts": time.time(), **summary}
+        self.quietly("heartbeat", lambda: self.state.put_heartbeat(self.node_id, record, lease=self.lease_id))

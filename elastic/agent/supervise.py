@@ -1,0 +1,148 @@
+"""Watching one running torchrun attempt until it ends.
+
+While torchrun runs, the :class:`Supervisor` drains the workers' reports (steps, commits,
+numerics), judges silence (:mod:`elastic.agent.heartbeat`: hang, stall, slow start),
+publishes the node heartbeat for the leader, and polls the run's shared state: a new epoch
+(a peer failed), this node's exclusion, the run's stop key.  Whatever ends the attempt comes
+back as one :class:`~elastic.agent.attempt.AttemptResult`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+from elastic.agent.attempt import AttemptResult, Outcome, ReportInbox, TorchrunAttempt
+from elastic.agent.classify import FailureKind
+from elastic.agent.config import AgentConfig
+from elastic.agent.failures import ProgressGuard
+from elastic.agent.heartbeat import HeartbeatMonitor, Silence
+from elastic.agent.metrics import AgentMetrics
+from elastic.agent.records import NodeRecords
+from elastic.agent.scopes import RestartScope
+from elastic.common.events import EventLog
+from elastic.control.runstate import RunState
+from elastic.control.store import StoreError
+
+_SILENCE_KIND = {Silence.CULPRIT: FailureKind.HANG, Silence.VICTIM: FailureKind.STALL,
+                 Silence.INIT: FailureKind.INIT_TIMEOUT}
+
+
+class Supervisor:
+    def __init__(self, node_id: str, config: AgentConfig, state: RunState, events: EventLog, metrics: AgentMetrics,
+                 inbox: ReportInbox, scope: RestartScope, records: NodeRecords, progress: ProgressGuard,
+                 stop: threading.Event, agent_state: Callable[[], str]) -> None:
+        self.node_id = node_id
+        self.config = config
+        self.state = state
+        self.events = events
+        self.metrics = metrics
+        self.inbox = inbox
+        self.scope = scope
+        self.records = records
+        self.progress = progress
+        self.stop = stop
+        self.agent_state = agent_state
+        self.monitor = HeartbeatMonitor(config.heartbeat)
+
+    def stop_attempt(self, attempt: TorchrunAttempt, reason: str) -> None:
+        if attempt.running:
+            pids = attempt.stop()
+            self.events.emit("agent.stop_workers", reason=reason, pids=pids)
+
+    def watch(self, attempt: TorchrunAttempt, epoch: int, stop_reason: Callable[[], str]) -> AttemptResult:
+        """Until the attempt ends: its result."""
+        self.monitor = HeartbeatMonitor(self.config.heartbeat)
+        self._numerics_step: int | None = None
+        next_poll = next_beat = time.monotonic()
+        while True:
+            result = self._exited(attempt, epoch)
+            if result is not None:
+                return result
+            if self.stop.is_set():
+                self.stop_attempt(attempt, stop_reason())
+                return AttemptResult(Outcome.STOPPED)
+            for report in self.inbox.drain():
+                self.metrics.observe_report(report)
+                self._on_report(report, attempt, epoch)
+            now = time.monotonic()
+            if now >= next_poll:
+                next_poll = now + self.config.epoch_poll_s
+                result = self._poll_run(attempt, epoch)
+                if result is not None:
+                    return result
+            if now >= next_beat:
+                next_beat = now + self.config.heartbeat.publish_interval_s
+                self.records.heartbeat(epoch, self.agent_state(), self.monitor.summary())
+                self.metrics.tick()
+            result = self._silence(attempt, epoch)
+            if result is not None:
+                return result
+            self.inbox.wait(self.config.monitor_interval_s)
+
+    def _exited(self, attempt: TorchrunAttempt, epoch: int) -> AttemptResult | None:
+        rc = attempt.poll()
+        if rc is None:
+            return None
+        self.events.emit("agent.torchrun_exit", rc=rc, epoch=epoch, attempt=attempt.number,
+                         runtime_s=attempt.runtime_s())
+        self.metrics.tick()  # the attempt's last checkpoint events (the final commit)
+        if rc == 0:
+            return AttemptResult(Outcome.SUCCEEDED, rc)
+        return AttemptResult(Outcome.FAILED, rc, numerics_step=self._numerics_step, attempt_dir=attempt.dir)
+
+    def _on_report(self, report: dict, attempt: TorchrunAttempt, epoch: int) -> None:
+        kind = report.get("type")
+        if kind == "step":
+            first = self.monitor.first_step_at is None
+            self.monitor.observe(report)
+            if first:
+                self.events.emit("agent.first_step", step=report.get("step"), epoch=epoch,
+                                 attempt=attempt.number, since_start_s=attempt.runtime_s())
+        elif kind == "done":
+            self.monitor.observe(report)
+        elif kind == "commit":
+            self.progress.observe_commit(int(report.get("step", -1)))
+        elif kind == "numerics":
+            self.events.emit("agent.numerics_report", step=report.get("step"), rank=report.get("rank"),
+                             reason=report.get("reason"))
+            if self._numerics_step is None:
+                self._numerics_step = int(report.get("step", 0))
+
+    def _poll_run(self, attempt: TorchrunAttempt, epoch: int) -> AttemptResult | None:
+        """Run-wide signals in etcd: a new epoch, this node's exclusion, a stop of the run."""
+        try:
+            current = self.state.epoch()
+            excluded = self.state.exclusions.get(self.node_id)
+            stop = self.state.stop_record()
+        except StoreError as exc:
+            # etcd unreachable: keep training; the workers do not need etcd between rendezvous.
+            self.events.emit("agent.store_error", op="poll", error=str(exc))
+            return None
+        if stop is not None:
+            self.stop_attempt(attempt, "run stopped")
+            return AttemptResult(Outcome.RUN_STOPPED)
+        if excluded is not None:
+            self.events.emit("agent.excluded_seen", reason=excluded.get("reason"), by=excluded.get("by"))
+            self.records.quietly("bump_epoch", lambda: self.scope.bump(epoch))  # the others re-form now
+            self.stop_attempt(attempt, "excluded")
+            return AttemptResult(Outcome.EXCLUDED)
+        if current > epoch:
+            self.events.emit("agent.epoch_seen", epoch=current, previous=epoch)
+            self.stop_attempt(attempt, f"epoch {current}")
+            return AttemptResult(Outcome.PEER_RESTART)
+        return None
+
+    def _silence(self, attempt: TorchrunAttempt, epoch: int) -> AttemptResult | None:
+        verdict, detail = self.monitor.check()
+        if verdict == Silence.NONE or self._numerics_step is not None:
+            return None
+        kind = _SILENCE_KIND[verdict]
+        self.events.emit("agent.hang_detected", verdict=verdict.value, detail=detail, epoch=epoch,
+                         silent_s=round(self.monitor.silent_for(), 3))
+        # Tell the peers first: they are blocked behind this hang and should not each
+        # wait out their own stall timeout while this node tears its workers down.
+        self.records.quietly("bump_epoch", lambda: self.scope.bump(epoch))
+        self.stop_attempt(attempt, f"{kind.value}: {detail}")
+        return AttemptResult(Outcome.FAILED, None, kind=kind, detail=detail, attempt_dir=attempt.dir)

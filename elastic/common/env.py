@@ -1,0 +1,60 @@
+"""The environment contract between a node agent and the workers it starts, in one place.
+
+The agent passes these to torchrun, which passes them to every worker; the worker side
+(:mod:`elastic.worker`, :mod:`elastic.checkpoint`) reads them.  Without an agent (plain
+torchrun, tests) none is set and every worker-side feature that needs one is a no-op.
+Credentials for a secured etcd travel separately (:mod:`elastic.control.etcd_security`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+
+AGENT_ADDR_ENV = "ELASTIC_AGENT_ADDR"
+"""host:port of the agent's UDP report socket (:mod:`elastic.worker.channel`)."""
+NODE_ID_ENV = "ELASTIC_NODE_ID"
+RUN_ID_ENV = "ELASTIC_RUN_ID"
+ETCD_ENDPOINT_ENV = "ELASTIC_ETCD_ENDPOINT"
+"""Workers publish checkpoint commits to etcd themselves (:mod:`elastic.checkpoint.publish`)."""
+RUN_PREFIX_ENV = "ELASTIC_RUN_PREFIX"
+EPOCH_ENV = "ELASTIC_EPOCH"
+PG_TIMEOUT_ENV = "ELASTIC_PG_TIMEOUT"
+"""Collective timeout in seconds, chosen by the agent (kept above its hang detection)."""
+SKIP_STEPS_ENV = "ELASTIC_SKIP_STEPS"
+"""Steps whose batch is skipped after a numerics rollback (``"12-12,30-31"``)."""
+MEMSTATE_ADDR_ENV = "ELASTIC_MEMSTATE_ADDR"
+MEMSTATE_TOKEN_ENV = "ELASTIC_MEMSTATE_TOKEN"
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerEnv:
+    """What the agent tells its workers; ``to_env()`` and ``from_env()`` are inverses."""
+
+    agent_addr: str = ""
+    node_id: str = ""
+    run_id: str = ""
+    etcd_endpoint: str = ""
+    run_prefix: str = ""
+    epoch: str = ""
+    pg_timeout: str = ""
+    skip_steps: str = ""
+    memstate_addr: str = ""
+    memstate_token: str = ""
+
+    def to_env(self) -> dict[str, str]:
+        return {_NAMES[f.name]: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> WorkerEnv:
+        env = os.environ if environ is None else environ
+        return cls(**{f.name: env.get(_NAMES[f.name], "") for f in fields(cls)})
+
+
+_NAMES = {
+    "agent_addr": AGENT_ADDR_ENV, "node_id": NODE_ID_ENV, "run_id": RUN_ID_ENV,
+    "etcd_endpoint": ETCD_ENDPOINT_ENV, "run_prefix": RUN_PREFIX_ENV, "epoch": EPOCH_ENV,
+    "pg_timeout": PG_TIMEOUT_ENV, "skip_steps": SKIP_STEPS_ENV,
+    "memstate_addr": MEMSTATE_ADDR_ENV, "memstate_token": MEMSTATE_TOKEN_ENV,
+}

@@ -1,0 +1,71 @@
+"""Workloads: the trainers the runtime can run, registered by name through entry points.
+
+The runtime never imports a trainer.  A package declares its workloads in the entry-point group
+``elastic.workloads``; each entry point names a :class:`Workload` object (the module it lives
+in must import without torch: it is read by the launcher).  ``launch.workload: <name>`` in the
+run config picks one; ``launch.entrypoint`` still runs any other program (a user's own trainer),
+whose ``trainer`` section the runtime then passes through unread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cache
+from importlib.metadata import entry_points
+from typing import Any
+
+from elastic.common.config import ConfigError
+
+GROUP = "elastic.workloads"
+
+REPLICAS = "replicas"
+"""Capability: the workload has a torchft replica-group entry point."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Workload:
+    name: str
+    entry: str
+    """Module torchrun runs (``python -m <entry> --config FILE --run-dir DIR``)."""
+    config_class: type
+    """Dataclass of the run config's ``trainer`` section."""
+    replica_entry: str = ""
+    """Module that speaks torchft, run instead of ``entry`` when ``replicas.enabled``."""
+    check_world: Callable[[Any, int], None] | None = None
+    """Raises ConfigError (path relative to ``trainer``) for a world size the config cannot use."""
+    description: str = ""
+
+    @property
+    def capabilities(self) -> frozenset[str]:
+        return frozenset({REPLICAS} if self.replica_entry else ())
+
+    def argv(self, replicas: bool) -> list[str]:
+        return ["-m", self.replica_entry if replicas else self.entry]
+
+
+@cache
+def available() -> dict[str, Workload]:
+    """Every registered workload by name (entry points are read once per process)."""
+    found: dict[str, Workload] = {}
+    for ep in entry_points(group=GROUP):
+        workload = ep.load()
+        if not isinstance(workload, Workload) or workload.name != ep.name:
+            raise RuntimeError(f"entry point {ep.name} = {ep.value} is not a Workload named {ep.name!r}")
+        found[ep.name] = workload
+    return found
+
+
+def get(name: str) -> Workload:
+    workloads = available()
+    if name not in workloads:
+        known = ", ".join(sorted(workloads)) or "none installed"
+        raise ConfigError("launch.workload", f"unknown workload {name!r} (known: {known})")
+    return workloads[name]
+
+
+def for_entrypoint(argv: list[str]) -> Workload | None:
+    """The registered workload whose module ``argv`` runs (``-m <module>``), if any."""
+    if len(argv) != 2 or argv[0] != "-m":
+        return None
+    return next((w for w in available().values() if argv[1] in (w.entry, w.replica_entry)), None)
