@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
+
+import pytest
 
 from elastic.agent.node import EXIT_EXCLUDED
+from elastic.control.memstore import FakeClock, MemoryStore
 from elastic.control.runstate import Exclusions
 from elastic.common.events import read_run_events
 from elastic.control.keys import RunKeys, run_prefix
@@ -15,6 +17,7 @@ from elastic.control.store import EtcdStore
 from tests.launch_helpers import write_run_config
 
 
+@pytest.mark.slow
 def test_excluded_node_refuses_to_start(etcd_endpoint, tmp_path, subprocess_env):
     config = write_run_config(tmp_path, nodes="1", run_id="excl")
     run_dir = tmp_path / "run"
@@ -32,13 +35,14 @@ def test_excluded_node_refuses_to_start(etcd_endpoint, tmp_path, subprocess_env)
     assert store.get(RunKeys.of('/elastic', 'excl').node("node7")) is None  # never registered
 
 
-def test_exclusions_expire_and_clear(etcd_endpoint):
-    ex = Exclusions(EtcdStore(etcd_endpoint), "/elastic/runs/r")
+def test_exclusions_expire_and_clear():
+    clock = FakeClock()
+    ex = Exclusions(MemoryStore(clock), "/elastic/runs/r", clock=clock)
     ex.add("a", "straggler", ttl_s=0.5)
     ex.add("b", "lemon")
     assert set(ex.all()) == {"a", "b"}
     assert ex.get("a")["reason"] == "straggler"
-    time.sleep(0.7)
+    clock.advance(0.7)
     assert ex.get("a") is None and set(ex.all()) == {"b"}
     ex.clear("b")
     assert ex.all() == {}
@@ -51,6 +55,7 @@ def test_unreadable_exclusion_record_still_excludes(etcd_endpoint):
     assert json.loads(json.dumps(Exclusions(store, "/elastic/runs/r").all()))
 
 
+@pytest.mark.slow
 def test_node_excluded_by_a_failed_screen_returns_after_passing_one(etcd_endpoint, tmp_path, subprocess_env):
     config = write_run_config(tmp_path, nodes="1", steps=4, run_id="back",
                               agent={"preflight": {"enabled": True, "checks": ["gpu", "membw"]}})

@@ -209,6 +209,7 @@ def test_bad_hardware_writes_the_nodes_diag_overlay(tmp_path):
     assert yaml.safe_load((tmp_path / "faults" / "diag-node1.yaml").read_text()) == {"gemm": {"tflops_scale": 0.1}}
 
 
+@pytest.mark.slow
 def test_bad_hardware_overlay_really_fails_the_diag_screen(tmp_path):
     injector("bad_hardware", "node1").inject(make_ctx(tmp_path))
     overlay = tmp_path / "faults" / "diag-node1.yaml"

@@ -15,7 +15,7 @@ import yaml
 
 from tests.launch_helpers import start_launcher, write_run_config
 
-pytestmark = [pytest.mark.soak, pytest.mark.timeout(1800)]
+pytestmark = [pytest.mark.soak, pytest.mark.slow, pytest.mark.timeout(1800)]
 
 
 def test_random_mtbf_soak_keeps_every_invariant(tmp_path, subprocess_env):

@@ -20,6 +20,8 @@ import pytest
 from elastic.worker.faults import write_fault
 from elastic.common.events import read_events
 
+pytestmark = pytest.mark.slow  # every test here runs real gloo ranks in subprocesses
+
 WORKER = Path(__file__).parent / "workers" / "checkpoint_worker.py"
 
 

@@ -82,6 +82,20 @@ def events(run_dir: Path, rank: int = 0, kind: str | None = None) -> list[dict]:
     return [e for e in out if kind is None or e["kind"] == kind]
 
 
+def _events_so_far(run_dir: Path, kind: str) -> list[dict]:
+    """Rank 0's events of ``kind`` written so far (a partial last line is skipped)."""
+    path = run_dir / "events" / "trainer-rank0.jsonl"
+    out = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            event = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if event["kind"] == kind:
+            out.append(event)
+    return out
+
+
 def write_yaml(path: Path, trainer: dict, interval: int = 4) -> Path:
     path.write_text(yaml.safe_dump({"launch": {"workload": "dit"}, "trainer": trainer,
                                     "checkpoint": {"interval_steps": interval, "keep_last": 5}, "fingerprint": ""}))
@@ -170,6 +184,7 @@ def test_rollback_restart_resumes_from_last_commit_and_gets_past_the_fault(tmp_p
     assert [e["step"] for e in events(tmp_path / "run", kind="trainer.step")] == [1, 2, 3, 4, 5, 6]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_resume_with_fewer_ranks_continues_with_the_next_samples(tmp_path, subprocess_env, world1):
     """Save with dp=2 (torchrun, 2 ranks), resume with dp=1: step, data position and losses continue."""
@@ -225,10 +240,11 @@ def test_sigkill_and_resume_bitwise_equal_two_ranks(tmp_path, subprocess_env):
     proc = subprocess.Popen(cmd, env=subprocess_env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     deadline = time.monotonic() + 120
-    while not (run / "checkpoints" / "step-00000004" / "COMMIT").exists():
+    # Kill mid-run: after the step-4 commit, once step 5 has trained.
+    while not ((run / "checkpoints" / "step-00000004" / "COMMIT").exists()
+               and any(e["step"] >= 5 for e in _events_so_far(run, "trainer.step"))):
         assert time.monotonic() < deadline and proc.poll() is None
         time.sleep(0.1)
-    time.sleep(0.5)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     assert not (run / "final_checksum.txt").exists()

@@ -116,6 +116,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_cp2_matches_cp1_forward_and_backward():
     mp.spawn(_worker, args=(_free_port(),), nprocs=WORLD, join=True)

@@ -18,7 +18,7 @@ from tests.launch_helpers import (
     kill_quietly, run_pids, start_launcher, wait_all_gone, wait_for_event, write_run_config,
 )
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
 
 
 def finish(proc, timeout: float = 180) -> str:

@@ -105,6 +105,7 @@ def test_handler_reports_bad_endpoint():
         create_etcd3_handler(params)
 
 
+@pytest.mark.slow
 def test_plain_torchrun_two_nodes(etcd_endpoint, tmp_path, subprocess_env):
     """Two torchrun agents (one per 'node') meet through the etcd3 backend and all-reduce."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",

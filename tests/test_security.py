@@ -217,6 +217,7 @@ def test_join_fingerprint_refuses_other_config_or_code_and_says_which(secure_etc
     _admission("n4", None, changed, check="warn").check(store, RunKeys(prefix), events)  # warns, admits
 
 
+@pytest.mark.slow
 def test_agent_with_another_runs_token_exits_94(secure_etcd, pki, tmp_path, subprocess_env):
     """The real agent process: refused before it registers, one line on stderr, exit code 94."""
     store = _store(secure_etcd, _security(pki))

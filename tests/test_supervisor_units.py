@@ -21,7 +21,7 @@ from elastic.worker.faults import FaultHooks, FaultSpecError, write_fault
 from elastic.run.goodput import compute_goodput
 from elastic.agent.heartbeat import HeartbeatMonitor, Silence
 from elastic.control.leader import ClusterPolicy, LeaderElection
-from elastic.control.store import EtcdStore
+from elastic.control.memstore import FakeClock, MemoryStore
 from elastic.worker.channel import skip_steps
 
 
@@ -54,14 +54,6 @@ def test_classify_from_torchrun_log(tmp_path):
 
 
 # -- heartbeat verdicts ---------------------------------------------------------------
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_init_timeout_then_steady_state_timeout():
     clock = FakeClock()
     mon = HeartbeatMonitor(HeartbeatConfig(init_timeout_s=10, step_timeout_s=2), clock=clock)
@@ -86,7 +78,10 @@ def test_stopped_worker_is_the_culprit_and_sleeping_one_a_victim():
         verdict, detail = mon.check()
         assert verdict == Silence.VICTIM and "blocked" in detail
         sleeper.send_signal(signal.SIGSTOP)
-        time.sleep(0.2)
+        # SIGSTOP is delivered asynchronously: wait (bounded) until /proc says the process stopped.
+        deadline = time.monotonic() + 2
+        while _proc_state(sleeper.pid) != "T" and time.monotonic() < deadline:
+            time.sleep(0.01)
         verdict, detail = mon.check()
         assert verdict == Silence.CULPRIT and "stopped" in detail
         mon.observe({"type": "done", "rank": 0, "step": 3})
@@ -94,6 +89,10 @@ def test_stopped_worker_is_the_culprit_and_sleeping_one_a_victim():
     finally:
         sleeper.kill()
         sleeper.wait()
+
+
+def _proc_state(pid: int) -> str:
+    return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
 
 
 def test_heartbeat_summary_uses_busy_time():
@@ -145,18 +144,19 @@ def test_lemon_node_excluded_within_window():
     assert excluded == ["a"]
 
 
-def test_leader_election_and_failover(etcd_endpoint):
-    store = EtcdStore(etcd_endpoint)
+def test_leader_election_and_failover():
+    clock = FakeClock()
+    store = MemoryStore(clock)
     a = LeaderElection(store, "/r/leader", "a", ttl_s=2)
     b = LeaderElection(store, "/r/leader", "b", ttl_s=2)
     assert a.try_acquire() and not b.try_acquire()
+    clock.advance(1.5)
     assert a.try_acquire()  # refresh keeps it
-    assert b.current() == "a"
+    clock.advance(1.5)
+    assert not b.try_acquire() and b.current() == "a"
     # a dies without resigning: its lease runs out and b takes over.
-    deadline = time.monotonic() + 8
-    while not b.try_acquire():
-        assert time.monotonic() < deadline
-        time.sleep(0.3)
+    clock.advance(2.1)
+    assert b.try_acquire()
     assert a.current() == "b"
     b.resign()
     assert store.get("/r/leader") is None

@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
-from elastic.checkpoint.manager import CheckpointCorrupt, CheckpointManager, step_dir_name
+from elastic.checkpoint.load import CheckpointCorrupt, CommittedCheckpoints, step_dir_name
 from elastic.checkpoint.format import SafetensorsShardReader
 from elastic.common.config import ConfigError
 from elastic.common.events import EventLog
@@ -39,15 +39,11 @@ from trainer.dit_train import RESOLVED_CONFIG_NAME
 from trainer.flow import euler_sample
 
 
-class _ReadOnlyCheckpoints(CheckpointManager):
-    """CheckpointManager's discovery and verification without its start-up cleanup."""
+class _ReadOnlyCheckpoints(CommittedCheckpoints):
+    """The run's committed checkpoints, read only (no writer, no start-up cleanup)."""
 
     def __init__(self, cfg_file: RunConfig, root: Path) -> None:
-        self.config = cfg_file.checkpoint
-        self.root = root
-        self.fingerprint = cfg_file.fingerprint
-        self.events = EventLog(None, "sample")
-        self.group = None
+        super().__init__(cfg_file.checkpoint, root, cfg_file.fingerprint, EventLog(None, "sample"))
 
     def newest_verified(self) -> int | None:
         for step in reversed(self.committed_steps()):

@@ -87,8 +87,8 @@ def _all_finite(loss: torch.Tensor) -> bool:
 
 def train(session: WorkerSession) -> str:
     cfg: MLPTrainerConfig = session.cfg.trainer
-    device, rank, world = session.device, session.rank, session.world
-    model = shard_model(build_model(cfg).to(device), world, device.type)
+    device = session.device
+    model = shard_model(build_model(cfg).to(device), session.world, device.type)
     optim = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     app = AppState(model, optim)
     loaded = session.resume({"app": app})

@@ -61,13 +61,10 @@ derive their RNG state from the seed, step and rank themselves.
 
 from __future__ import annotations
 
-import errno
-import hashlib
 import io
 import json
 import logging
 import os
-import re
 import time
 import uuid
 from collections.abc import Callable, Iterable
@@ -79,16 +76,25 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 
 from elastic.checkpoint.config import CheckpointConfig
-from elastic.common import collectives
+from elastic.checkpoint.format import MANIFEST_FILE, SafetensorsShardWriter, read_manifest
+from elastic.checkpoint.load import (
+    _FAILURES,
+    COMMIT_FILE,
+    CheckpointCorrupt,
+    CheckpointError,
+    CommittedCheckpoints,
+    _error_fields,
+    sha256_file,
+    step_dir_name,
+)
 from elastic.checkpoint.memory import MemoryFastPath, RecordingStager, as_state_dicts
-from elastic.checkpoint.format import MANIFEST_FILE, SafetensorsShardReader, SafetensorsShardWriter, read_extra, read_manifest
+from elastic.checkpoint.memstate import MemStateClient
 from elastic.checkpoint.publish import EtcdCheckpointPublisher, publisher_from_env
 from elastic.checkpoint.storage import CheckpointStorage, LocalStorage
+from elastic.common import collectives
 from elastic.common.events import EventLog
-from elastic.checkpoint.memstate import MemStateClient
 
 __all__ = [
     "COMMIT_FILE",
@@ -105,32 +111,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-# DCP's CheckpointException derives from BaseException, not Exception.
-_FAILURES = (Exception, CheckpointException)
-
-COMMIT_FILE = "COMMIT"
-_STEP_RE = re.compile(r"^step-(\d{8})$")
 _STALE_GLOBS = (".step-*.tmp-*", ".step-*.old-*")
-
-
-class CheckpointError(RuntimeError):
-    """Base class for checkpoint failures."""
-
-
-class CheckpointCorrupt(CheckpointError):
-    """A committed checkpoint failed verification (checksum, marker, fingerprint)."""
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def step_dir_name(step: int) -> str:
-    return f"step-{step:08d}"
 
 
 def select_for_deletion(steps: Iterable[int], keep_last: int, protect: Iterable[int] = ()) -> list[int]:
@@ -146,41 +127,7 @@ def select_for_deletion(steps: Iterable[int], keep_last: int, protect: Iterable[
     return [step for step in ordered if step not in keep]
 
 
-def _root_cause(exc: BaseException) -> BaseException:
-    """The first OSError under ``exc`` (through DCP's per-rank failures and causes), else ``exc``."""
-    seen: set[int] = set()
-    stack: list[BaseException] = [exc]
-    while stack:
-        cur = stack.pop()
-        if id(cur) in seen:
-            continue
-        seen.add(id(cur))
-        if isinstance(cur, OSError) and cur.errno is not None:
-            return cur
-        # DCP's CheckpointException keeps per-rank failures as (exception, traceback) pairs.
-        for failure in getattr(cur, "failures", {}).values():
-            inner = failure[0] if isinstance(failure, tuple) else failure
-            if isinstance(inner, BaseException):
-                stack.append(inner)
-        stack.extend(nxt for nxt in (cur.__cause__, cur.__context__) if nxt is not None)
-    return exc
-
-
-def _error_fields(exc: BaseException) -> dict[str, Any]:
-    """Event fields for a failure: one-line ``error`` and, for an OSError, its ``errno`` name."""
-    root = _root_cause(exc)
-    first_line = (str(root).strip().splitlines() or [""])[0]
-    text = f"{type(root).__name__}: {first_line}"
-    if root is not exc:
-        ranks = sorted(getattr(exc, "failures", {}))
-        text = f"{type(exc).__name__}" + (f" on ranks {ranks}" if ranks else "") + f": {text}"
-    fields: dict[str, Any] = {"error": text[:1000]}
-    if isinstance(root, OSError) and root.errno is not None:
-        fields["errno"] = errno.errorcode.get(root.errno, str(root.errno))
-    return fields
-
-
-class CheckpointManager:
+class CheckpointManager(CommittedCheckpoints):
     """Save and load committed checkpoints of a set of DCP-stateful objects.
 
     ``state`` passed to :meth:`save` / :meth:`load_latest` maps names to
@@ -213,35 +160,18 @@ class CheckpointManager:
         self._finalizer: ThreadPoolExecutor | None = None
         self._inflight: Future[None] | None = None
         self._closed = False
-        self.config = config
-        self.root = Path(root)
-        self.fingerprint = fingerprint
-        self.events = events or EventLog(None, "checkpoint")
         if group is None and dist.is_initialized():
             group = dist.new_group(backend="gloo")
-        self.group = group
+        super().__init__(config, root, fingerprint, events, group)
         self.publisher = publisher
         self.storage: CheckpointStorage = storage or LocalStorage()
         self.last_error: BaseException | None = None
         self.last_committed: int | None = None
-        self._rank = collectives.rank()
         self.memory = MemoryFastPath.from_env(config.memory, fingerprint, self.events, self.group, memory_client)
         if self._rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
             self._remove_stale_tmp()
         collectives.barrier(self.group)
-
-    # -- discovery ---------------------------------------------------------
-    def committed_steps(self) -> list[int]:
-        """Steps with a COMMIT marker, oldest first (not yet verified)."""
-        steps = []
-        if not self.root.exists():
-            return steps
-        for entry in self.root.iterdir():
-            match = _STEP_RE.match(entry.name)
-            if match and (entry / COMMIT_FILE).exists():
-                steps.append(int(match.group(1)))
-        return sorted(steps)
 
     def _remove_stale_tmp(self) -> None:
         for pattern in _STALE_GLOBS:
@@ -443,126 +373,6 @@ class CheckpointManager:
                 self.events.emit("checkpoint.delete_failed", step=step, **_error_fields(exc))
                 continue
             self.events.emit("checkpoint.deleted", step=step)
-
-    # -- load --------------------------------------------------------------
-    def verify(self, step: int) -> dict[str, Any]:
-        """Return the COMMIT marker of ``step`` or raise CheckpointCorrupt."""
-        path = self.root / step_dir_name(step)
-        try:
-            marker = json.loads((path / COMMIT_FILE).read_text(encoding="utf-8"))
-            files = marker["files"]
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise CheckpointCorrupt(f"{path.name}: unreadable commit marker ({exc})") from exc
-        if marker.get("step") != step:
-            raise CheckpointCorrupt(f"{path.name}: commit marker is for step {marker.get('step')}")
-        if self.fingerprint and marker.get("fingerprint") != self.fingerprint:
-            raise CheckpointCorrupt(f"{path.name}: written by a different run config (fingerprint mismatch)")
-        if MANIFEST_FILE not in files:
-            raise CheckpointCorrupt(f"{path.name}: commit marker lists no {MANIFEST_FILE}")
-        for name, info in files.items():
-            file = path / name
-            if not file.is_file():
-                raise CheckpointCorrupt(f"{path.name}: missing file {name}")
-            if file.stat().st_size != info["bytes"]:
-                raise CheckpointCorrupt(f"{path.name}: size mismatch in {name} (truncated?)")
-            if self.config.verify_on_load and sha256_file(file) != info["sha256"]:
-                raise CheckpointCorrupt(f"{path.name}: checksum mismatch in {name}")
-        return marker
-
-    def _newest_commit(self) -> tuple[int, str] | None:
-        """Rank 0: (step, id) of the newest COMMIT marker of this run, read but not hashed.
-
-        The memory fast path needs only the proof that the cached save was committed;
-        the bytes it loads carry their own sha256.
-        """
-        for step in reversed(self.committed_steps()):
-            try:
-                marker = json.loads((self.root / step_dir_name(step) / COMMIT_FILE).read_text(encoding="utf-8"))
-            except (OSError, ValueError):
-                continue
-            if not isinstance(marker, dict) or marker.get("step") != step:
-                continue
-            if self.fingerprint and marker.get("fingerprint") != self.fingerprint:
-                continue
-            return step, str(marker.get("id", ""))
-        return None
-
-    def _pick(self, rejected: set[int]) -> int | None:
-        """Rank 0: newest committed step that verifies, reporting each one skipped."""
-        for step in reversed(self.committed_steps()):
-            if step in rejected:
-                continue
-            try:
-                self.verify(step)
-            except CheckpointCorrupt as exc:
-                self._report_skipped(step, str(exc))
-                rejected.add(step)
-                continue
-            return step
-        return None
-
-    def _report_skipped(self, step: int, reason: str) -> None:
-        log.error("skipping checkpoint step %d: %s", step, reason)
-        self.events.emit("checkpoint.skipped_corrupt", step=step, reason=reason)
-
-    def load_latest(self, state: dict[str, Any]) -> tuple[int, dict[str, Any]] | None:
-        """Collective: load the newest verified checkpoint into ``state``.
-
-        Returns (step, this rank's extra state) or None if no usable checkpoint
-        exists.  Rank 0 verifies and picks the step, so every rank loads the
-        same one; if loading it fails on any rank, every rank moves on to the
-        next older one (``state`` is then overwritten again by that load).
-        """
-        self.wait()
-        memory_s = 0.0
-        if self.memory is not None:
-            t0 = time.monotonic()
-            newest = collectives.broadcast_object(self._newest_commit() if self._rank == 0 else None, self.group)
-            got = self.memory.try_load(state, *newest) if newest is not None else None
-            memory_s = time.monotonic() - t0
-            if got is not None:
-                step, extra, fields = got
-                world = collectives.world_size()  # a memory entry is only used at the world size it was saved at
-                self.events.emit("checkpoint.loaded", step=step, path=str(self.root / step_dir_name(step)),
-                                 saved_world_size=world, world_size=world, extra_found=True, loaded_from="memory",
-                                 load_s=round(memory_s, 6), **fields)
-                return step, extra
-        t_disk = time.monotonic()
-        rejected: set[int] = set()
-        while True:
-            chosen = self._pick(rejected) if self._rank == 0 else None
-            chosen = collectives.broadcast_object(chosen, self.group)
-            if chosen is None:
-                self.events.emit("checkpoint.none_loaded", rejected=sorted(rejected))
-                return None
-            path = self.root / step_dir_name(chosen)
-            error: BaseException | None = None
-            extra: dict[str, Any] = {}
-            found = False
-            try:
-                dcp.load(
-                    state, storage_reader=SafetensorsShardReader(path), process_group=self.group,
-                    no_dist=not dist.is_initialized(),
-                )
-                blob = read_extra(path, read_manifest(path), self._rank)
-                found = blob is not None
-                if blob:
-                    extra = torch.load(io.BytesIO(blob), weights_only=False)
-            except _FAILURES as exc:
-                error = exc
-            if collectives.all_true(error is None, self.group):
-                marker_world = read_manifest(path)["world_size"]
-                self.events.emit(
-                    "checkpoint.loaded", step=chosen, path=str(path), saved_world_size=marker_world,
-                    world_size=collectives.world_size(), extra_found=found, loaded_from="disk",
-                    load_s=round(time.monotonic() - t_disk, 6), memory_tried_s=round(memory_s, 6),
-                )
-                return chosen, extra
-            reason = f"load failed: {_error_fields(error)['error']}" if error else "load failed on another rank"
-            if error is not None or self._rank == 0:
-                self._report_skipped(chosen, reason)
-            rejected.add(chosen)
-
 
 @dataclass(frozen=True)
 class _Snapshot:

@@ -196,8 +196,14 @@ def scenario_main(workdir: Path) -> None:
     rig.train(4)
     mgr.save(4, rig.state, extra={"rank": rank})
     if rank == 0:
+        inflight4 = mgr._inflight
+
         def open_gate() -> None:
-            time.sleep(0.3)
+            # Open only once save(6) has taken up the step-4 save (a correct manager now waits for
+            # it; one that did not wait would already have started step 6 and fail the ordering).
+            deadline = time.monotonic() + 20
+            while mgr._inflight is inflight4 and time.monotonic() < deadline:
+                time.sleep(0.01)
             rig.events.emit("test.gate_open", step=4)
             (workdir / "gate-4").touch()
 

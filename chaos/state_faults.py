@@ -1,0 +1,218 @@
+"""Faults on the run's state outside the processes: a corrupt checkpoint, an etcd outage, bad hardware readings."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from chaos.follow import parse_target
+from chaos.injection import InjectionContext, InjectionRecord, Injector, TargetNotFound, _kill, register
+from elastic.common.procs import alive
+from elastic.run.schema import RESOLVED_NAME, load_run_file
+from elastic.worker.faults import FAULTS_DIR
+
+
+@dataclass(kw_only=True)
+class CorruptParams:
+    mode: Literal["flip", "truncate"] = "flip"
+    """flip: invert ``num_bytes`` bytes in the middle of the file; truncate: cut the file in half."""
+    num_bytes: int = 16
+    file: str | None = None
+    """File inside the checkpoint to damage; default: the largest data file."""
+
+    def __post_init__(self) -> None:
+        if self.num_bytes < 1:
+            from elastic.common.config import ConfigError
+
+            raise ConfigError("num_bytes", "must be >= 1")
+
+
+def newest_committed(checkpoint_root: Path) -> Path | None:
+    steps = sorted(p for p in checkpoint_root.glob("step-*") if (p / "COMMIT").is_file())
+    return steps[-1] if steps else None
+
+
+@register("corrupt_checkpoint")
+class CorruptCheckpoint(Injector):
+    """Damage one file of the newest committed checkpoint, behind the runtime's back."""
+
+    Params = CorruptParams
+    restarts_workers = False
+
+    def inject(self, ctx: InjectionContext) -> InjectionRecord:
+        root = checkpoint_root(ctx.run_dir)
+        newest = newest_committed(root)
+        if newest is None:
+            raise TargetNotFound(f"no committed checkpoint under {root}")
+        if self.params.file is not None:
+            victim = newest / self.params.file
+        else:
+            listed = json.loads((newest / "COMMIT").read_text()).get("files", {})
+            candidates = [newest / name for name in listed if (newest / name).is_file()]
+            if not candidates:
+                raise TargetNotFound(f"{newest.name} lists no files")
+            victim = max(candidates, key=lambda p: (p.stat().st_size, p.name))
+        size = victim.stat().st_size
+        if self.params.mode == "truncate":
+            os.truncate(victim, size // 2)
+            detail = {"truncated_to": size // 2}
+        else:
+            offset = max(size // 2 - self.params.num_bytes // 2, 0)
+            with open(victim, "r+b") as fh:
+                fh.seek(offset)
+                data = fh.read(self.params.num_bytes)
+                fh.seek(offset)
+                fh.write(bytes(b ^ 0xFF for b in data))
+            detail = {"offset": offset, "flipped": len(data)}
+        step = int(newest.name.split("-")[1])
+        return self._record(ctx, checkpoint_step=step, file=str(victim), size=size, mode=self.params.mode, **detail)
+
+
+def checkpoint_root(run_dir: Path) -> Path:
+    """The run's checkpoint directory: ``checkpoint.dir`` of the run file the launcher wrote into the
+    run directory (relative to the run directory unless absolute); the default when there is none."""
+    resolved = Path(run_dir) / RESOLVED_NAME
+    cfg = load_run_file(resolved) if resolved.is_file() else load_run_file(None)
+    return cfg.checkpoint.root(run_dir)
+
+
+# -- etcd -------------------------------------------------------------------------------
+@dataclass(kw_only=True)
+class OutageParams:
+    duration_s: float = 3.0
+    mode: Literal["stop", "kill"] = "stop"
+    """stop: SIGSTOP then SIGCONT (requests hang); kill: SIGKILL then restart it on its data dir."""
+
+    def __post_init__(self) -> None:
+        if self.duration_s <= 0:
+            from elastic.common.config import ConfigError
+
+            raise ConfigError("duration_s", "must be > 0")
+
+
+@register("etcd_outage")
+class EtcdOutage(Injector):
+    """Make etcd unresponsive for ``duration_s`` (the run's only shared service).
+
+    ``mode: kill`` restarts etcd from the killed process's own command line
+    (same data dir, same ports), so every lease and key survives; the
+    restarted server is this tool's child and is stopped in :meth:`cleanup`
+    if the launcher has not stopped it by then.
+    """
+
+    Params = OutageParams
+    restarts_workers = False
+
+    def __init__(self, target: str, params: Any = None) -> None:
+        super().__init__(target, params)
+        self._stopped: int | None = None
+        self._respawned: subprocess.Popen[bytes] | None = None
+        self._thread: threading.Thread | None = None
+        self.resumed_ts: float | None = None
+        self.error: str | None = None
+
+    def inject(self, ctx: InjectionContext) -> InjectionRecord:
+        pid, _ = ctx.follower.etcd()
+        if pid is None or not alive(pid):
+            raise TargetNotFound("no live etcd server in the run's events")
+        if self.params.mode == "stop":
+            _kill(pid, signal.SIGSTOP)
+            self._stopped = pid
+            self._thread = threading.Thread(target=self._resume_later, daemon=True)
+        else:
+            cmdline, cwd = _proc_cmdline(pid), os.readlink(f"/proc/{pid}/cwd")
+            _kill(pid, signal.SIGKILL)
+            self._thread = threading.Thread(target=self._respawn_later, args=(pid, cmdline, cwd), daemon=True)
+        self._thread.start()
+        return self._record(ctx, [pid], mode=self.params.mode, duration_s=self.params.duration_s)
+
+    def _resume_later(self) -> None:
+        time.sleep(self.params.duration_s)
+        self._cont()
+
+    def _cont(self) -> None:
+        if self._stopped is not None:
+            try:
+                os.kill(self._stopped, signal.SIGCONT)
+                self.resumed_ts = time.time()
+            except ProcessLookupError:
+                pass
+            self._stopped = None
+
+    def _respawn_later(self, old_pid: int, cmdline: list[str], cwd: str) -> None:
+        deadline = time.monotonic() + 10
+        while alive(old_pid) and time.monotonic() < deadline:
+            time.sleep(0.02)  # the ports are free only once the old server is gone
+        time.sleep(self.params.duration_s)
+        try:
+            self._respawned = subprocess.Popen(cmdline, cwd=cwd, stdout=subprocess.DEVNULL,
+                                               stderr=subprocess.DEVNULL, start_new_session=True)
+            self.resumed_ts = time.time()
+        except OSError as exc:
+            self.error = f"etcd restart failed: {exc}"
+
+    @property
+    def respawned_pid(self) -> int | None:
+        return self._respawned.pid if self._respawned else None
+
+    def join(self, timeout: float | None = None) -> None:
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def cleanup(self) -> None:
+        self._cont()
+        self.join(timeout=self.params.duration_s + 15)
+        if self._respawned is not None and self._respawned.poll() is None:
+            self._respawned.terminate()
+            try:
+                self._respawned.wait(10)
+            except subprocess.TimeoutExpired:
+                self._respawned.kill()
+                self._respawned.wait()
+
+
+def _proc_cmdline(pid: int) -> list[str]:
+    with open(f"/proc/{pid}/cmdline", "rb") as fh:
+        return [part.decode() for part in fh.read().split(b"\0") if part]
+
+
+# -- hardware readings --------------------------------------------------------------------
+def _default_readings() -> dict[str, Any]:
+    # A GEMM running at a tenth of its expected speed: fails the screen on CPU-only hosts too.
+    return {"gemm": {"tflops_scale": 0.1}}
+
+
+@dataclass(kw_only=True)
+class HardwareParams:
+    readings: dict[str, Any] = field(default_factory=_default_readings)
+    """Reading overlay for the node's next diagnostics screen, e.g. {gemm: {tflops_scale: 0.2}}."""
+
+
+@register("bad_hardware")
+class BadHardware(Injector):
+    """Plant bad hardware readings (``faults/diag-<node>.yaml``) for the node's next diag screen."""
+
+    Params = HardwareParams
+    needs_run = False
+    restarts_workers = False
+
+    def inject(self, ctx: InjectionContext) -> InjectionRecord:
+        node, _ = parse_target(self.target)
+        if node is None:
+            raise TargetNotFound(f"bad_hardware needs a node target, got {self.target!r}")
+        directory = Path(ctx.run_dir) / FAULTS_DIR
+        directory.mkdir(parents=True, exist_ok=True)
+        path = directory / f"diag-{node}.yaml"
+        tmp = directory / f".diag-{node}.yaml.tmp"
+        tmp.write_text(yaml.safe_dump(self.params.readings, sort_keys=True))
+        tmp.rename(path)
+        return self._record(ctx, node=node, file=str(path), readings=self.params.readings)

@@ -1,0 +1,92 @@
+"""In-worker faults: written as fault files (:mod:`elastic.worker.faults`) that the worker session fires."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from chaos.follow import parse_target
+from chaos.injection import InjectionContext, InjectionRecord, Injector, register
+from elastic.worker.faults import write_fault
+
+@dataclass(kw_only=True)
+class StraggleParams:
+    delay_s: float = 0.3
+    """Extra seconds per step on the target rank."""
+    num_steps: int = 4
+    """Steps the slowdown lasts, starting at the fault's step."""
+
+
+def _worker_rank(target: str) -> int | None:
+    """Rank named by a target; a bare ``nodeN`` maps to rank N (one worker per node locally)."""
+    node, rank = parse_target(target)
+    if rank is not None:
+        return rank
+    if node is not None and node.startswith("node") and node[4:].isdigit():
+        return int(node[4:])
+    return None
+
+
+def _fault_step(ctx: InjectionContext, at: int | None) -> int:
+    # A file fault names a future step; +2 because the fastest rank may already be inside step+1.
+    return max(ctx.step + 2, at or 0)
+
+
+@register("straggler")
+class Straggler(Injector):
+    """A slow rank: write a ``straggle`` fault file for the next ``num_steps`` steps."""
+
+    Params = StraggleParams
+    needs_run = False
+    restarts_workers = False
+
+    def inject(self, ctx: InjectionContext) -> InjectionRecord:
+        start = _fault_step(ctx, None)
+        spec = {"kind": "straggle", "from_step": start, "to_step": start + self.params.num_steps - 1,
+                "delay_s": self.params.delay_s}
+        rank = _worker_rank(self.target)
+        if rank is not None:
+            spec["rank"] = rank
+        path = write_fault(ctx.run_dir, f"chaos-straggle-{start}", spec)
+        return self._record(ctx, file=str(path), spec=spec)
+
+
+@dataclass(kw_only=True)
+class AtStepParams:
+    step: int | None = None
+    """Step at which the worker-side fault fires; default: the step after the newest one seen."""
+
+
+@register("nan")
+class NanLoss(Injector):
+    """A NaN loss on the target rank at one step (``nan_loss`` fault file, fires once)."""
+
+    Params = AtStepParams
+    needs_run = False
+
+    def inject(self, ctx: InjectionContext) -> InjectionRecord:
+        step = self.params.step if self.params.step is not None else _fault_step(ctx, None)
+        spec: dict[str, Any] = {"kind": "nan_loss", "step": step}
+        rank = _worker_rank(self.target)
+        if rank is not None:
+            spec["rank"] = rank
+        path = write_fault(ctx.run_dir, f"chaos-nan-{step}", spec)
+        return self._record(ctx, file=str(path), spec=spec)
+
+
+@register("ckpt_write_error")
+class CheckpointWriteError(Injector):
+    """One checkpoint save fails with ENOSPC (``ckpt_write_error`` fault file, fires once)."""
+
+    Params = AtStepParams
+    needs_run = False
+    restarts_workers = False
+
+    def inject(self, ctx: InjectionContext) -> InjectionRecord:
+        step = self.params.step if self.params.step is not None else _fault_step(ctx, None)
+        spec = {"kind": "ckpt_write_error", "step": step}
+        path = write_fault(ctx.run_dir, f"chaos-ckpt-write-{step}", spec)
+        return self._record(ctx, file=str(path), spec=spec)
+
+
+# -- checkpoint corruption ------------------------------------------------------------
