@@ -94,7 +94,7 @@ def _rank_main(args: argparse.Namespace) -> None:
     from elastic.checkpoint.manager import CheckpointConfig, CheckpointManager
     from elastic.checkpoint.config import MemoryCacheConfig
     from elastic.common.events import EventLog, read_events
-    from elastic.checkpoint.memstate import MemStateClient
+    from elastic.checkpoint.memclient import MemStateClient
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     dist.init_process_group("gloo", timeout=timedelta(seconds=600))

@@ -156,19 +156,23 @@ class DiTRun:
         self.dataset = build_dataset(cfg.data, cfg.model, cfg.seed)
         self.sampler = GlobalSampler(len(self.dataset), cfg.global_batch_size, cfg.seed, cfg.data.shuffle)
         self.guard = NumericsGuard(cfg.numerics)
-        self.state = TrainState(self.model, self.optim, self.sampler, self.guard)
+        self.train_state = TrainState(self.model, self.optim, self.sampler, self.guard)
         self.tokens_per_step = cfg.global_batch_size * cfg.model.num_tokens
+        self.last_step = cfg.steps
 
-    def resume(self) -> int:
-        loaded = self.session.resume({"app": self.state})
-        rank_rng = restore_rank_rng(loaded[1]) if loaded else False
-        start = self.state.step if loaded else 0
-        self.session.emit_start(start, resumed=loaded is not None, dp=self.dp, cp=self.cp, rank_rng_restored=rank_rng,
-                                samples_seen=self.sampler.samples_seen, fp8_layers=len(self.converted))
-        return start
+    def state(self) -> dict[str, Any]:
+        return {"app": self.train_state}
 
-    def save(self, step: int) -> None:
-        self.session.maybe_save(step, self.cfg.steps, {"app": self.state}, extra=rank_rng_state())
+    def extra(self) -> dict[str, Any]:
+        return rank_rng_state()
+
+    def resumed(self, step: int, extra: dict[str, Any] | None) -> dict[str, Any]:
+        rank_rng = restore_rank_rng(extra) if extra else False
+        return {"dp": self.dp, "cp": self.cp, "rank_rng_restored": rank_rng, "samples_seen": self.sampler.samples_seen,
+                "fp8_layers": len(self.converted)}
+
+    def done_fields(self) -> dict[str, Any]:
+        return {"total_skips": self.guard.total_skips}
 
     def step(self, step: int) -> None:
         session, cfg = self.session, self.cfg
@@ -177,8 +181,8 @@ class DiTRun:
         indices = GlobalSampler.rank_slice(self.sampler.next_global_batch(), self.dp_rank, self.dp)
         if session.skip_step(step):
             # Rolled back past a bad batch: the sampler moves on, the batch is never used.
-            self.state.step = step
-            return self.save(step)
+            self.train_state.step = step
+            return
         loss_value, norm_value = self.forward_backward(step, indices)
         verdict = self.guard.check(loss_value, norm_value)
         lr = cfg.optim.lr * min(1.0, step / cfg.optim.warmup_steps) if cfg.optim.warmup_steps else cfg.optim.lr
@@ -190,7 +194,7 @@ class DiTRun:
                                 loss=loss_value, grad_norm=norm_value, total_skips=self.guard.total_skips)
             if verdict.action == "rollback":
                 self.rollback(step, verdict.reason)
-        self.state.step = step
+        self.train_state.step = step
         if cfg.step_sleep:
             time.sleep(cfg.step_sleep)
         step_time = session.step_time()
@@ -200,7 +204,6 @@ class DiTRun:
                                                     "fp8": fp8},
                          tokens_per_s=tokens_per_s, grad_norm=norm_value, lr=lr, skipped=not verdict.ok,
                          samples_seen=self.sampler.samples_seen, fp8=fp8)
-        self.save(step)
 
     def forward_backward(self, step: int, indices: list[int]) -> tuple[float, float]:
         """Loss over this rank's micro-batches with gradients; (global loss, global grad norm)."""
@@ -240,10 +243,7 @@ def train(session: WorkerSession) -> str:
     if session.rank == 0:
         session.run_dir.mkdir(parents=True, exist_ok=True)
         dump_run_file(session.cfg, session.run_dir / RESOLVED_CONFIG_NAME)
-    run = DiTRun(session)
-    for step in range(run.resume() + 1, run.cfg.steps + 1):
-        run.step(step)
-    return session.finish(run.model, run.cfg.steps, total_skips=run.guard.total_skips)
+    return session.train(DiTRun)
 
 
 @record

@@ -85,44 +85,56 @@ def _all_finite(loss: torch.Tensor) -> bool:
     return flag.item() == 0.0
 
 
-def train(session: WorkerSession) -> str:
-    cfg: MLPTrainerConfig = session.cfg.trainer
-    device = session.device
-    model = shard_model(build_model(cfg).to(device), session.world, device.type)
-    optim = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
-    app = AppState(model, optim)
-    loaded = session.resume({"app": app})
-    start = app.step if loaded else 0
-    session.emit_start(start, resumed=loaded is not None)
-    loss_fn = nn.MSELoss()
-    for step in range(start + 1, cfg.steps + 1):
+class MLPRun:
+    """The MLP trainer for the current world (built again after an in-process re-formation)."""
+
+    def __init__(self, session: WorkerSession) -> None:
+        self.session = session
+        self.cfg: MLPTrainerConfig = session.cfg.trainer
+        self.model = shard_model(build_model(self.cfg).to(session.device), session.world, session.device.type)
+        self.optim = torch.optim.AdamW(self.model.parameters(), lr=self.cfg.lr)
+        self.app = AppState(self.model, self.optim)
+        self.loss_fn = nn.MSELoss()
+        self.last_step = self.cfg.steps
+
+    def state(self) -> dict[str, Any]:
+        return {"app": self.app}
+
+    def extra(self) -> dict[str, Any]:
+        return {}  # batches depend on (seed, step, rank) only: no RNG state to carry
+
+    def resumed(self, step: int, extra: dict[str, Any] | None) -> dict[str, Any]:
+        return {}
+
+    def done_fields(self) -> dict[str, Any]:
+        return {}
+
+    def step(self, step: int) -> None:
+        session = self.session
         session.begin_step(step)
-        if cfg.step_sleep:
-            time.sleep(cfg.step_sleep)
+        if self.cfg.step_sleep:
+            time.sleep(self.cfg.step_sleep)
         session.sync_point()
-        if session.skip_step(step):
-            # Rolled back past a bad batch: the step number advances, its data is never used.
-            app.step = step
-        else:
-            train_step(session, cfg, model, optim, loss_fn, step)
-            app.step = step
-        session.maybe_save(step, cfg.steps, {"app": app})  # commits in the background; published to etcd
-    return session.finish(model, cfg.steps)
+        if not session.skip_step(step):  # a skipped step advances, its data is never used
+            self.train_step(step)
+        self.app.step = step
+
+    def train_step(self, step: int) -> None:
+        x, y = batch_for(self.cfg, step, self.session.rank, self.session.device)
+        loss = self.session.loss(step, self.loss_fn(self.model(x), y))
+        if not _all_finite(loss):
+            # Never let a NaN reach the weights: no backward, no optimizer step; the agent rolls back.
+            self.session.events.emit("trainer.numerics", step=step, reason="non-finite loss")
+            self.session.agent.report_numerics(step, "non-finite loss")
+            raise NumericsRollback(step, "non-finite loss")
+        self.optim.zero_grad(set_to_none=True)
+        loss.backward()
+        self.optim.step()
+        self.session.end_step(step, float(loss.detach()))
 
 
-def train_step(session: WorkerSession, cfg: MLPTrainerConfig, model: nn.Module, optim: torch.optim.Optimizer,
-               loss_fn: nn.Module, step: int) -> None:
-    x, y = batch_for(cfg, step, session.rank, session.device)
-    loss = session.loss(step, loss_fn(model(x), y))
-    if not _all_finite(loss):
-        # Never let a NaN reach the weights: no backward, no optimizer step; the agent rolls back.
-        session.events.emit("trainer.numerics", step=step, reason="non-finite loss")
-        session.agent.report_numerics(step, "non-finite loss")
-        raise NumericsRollback(step, "non-finite loss")
-    optim.zero_grad(set_to_none=True)
-    loss.backward()
-    optim.step()
-    session.end_step(step, float(loss.detach()))
+def train(session: WorkerSession) -> str:
+    return session.train(MLPRun)
 
 
 @record

@@ -16,10 +16,10 @@ def _dit_world(cfg: DiTTrainerConfig, world_size: int) -> None:
 
 
 MLP = Workload(
-    name="mlp", entry="trainer.train", replica_entry="trainer.ft_train", config_class=MLPTrainerConfig,
+    name="mlp", entry="trainer.train", replica_entry="trainer.ft_train", config_class=MLPTrainerConfig, inprocess=True,
     description="small FSDP2 MLP regression; deterministic and bitwise resumable (the runtime's test workload)",
 )
 DIT = Workload(
-    name="dit", entry="trainer.dit_train", config_class=DiTTrainerConfig, check_world=_dit_world,
+    name="dit", entry="trainer.dit_train", config_class=DiTTrainerConfig, check_world=_dit_world, inprocess=True,
     description="DiT flow matching: FSDP2, Ulysses context parallel, FP8 linears, resumable global sampler",
 )

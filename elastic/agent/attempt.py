@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
+from typing import Any
 
 from elastic.agent.classify import FailureKind
 from elastic.common.env import WorkerEnv
@@ -49,6 +50,7 @@ class AttemptResult:
     detail: str = ""
     numerics_step: int | None = None
     attempt_dir: Path | None = None
+    decision: Any = None  # set when the failure was already decided and counted (in-process path)
 
 
 @dataclass
@@ -186,6 +188,16 @@ class TorchrunAttempt:
             pass
         self.proc = None
         return pids
+
+    def retire(self, workers: set[int]) -> None:
+        """In-process mode: SIGKILL torchrun, keep its workers (the agent, their subreaper, adopts them)."""
+        if self.proc is None:
+            return
+        self.pids.update(descendants(self.proc.pid))
+        self.proc.kill()
+        self.proc.wait()
+        self.proc = None
+        self.pids = set(workers)
 
     def log_text(self) -> str:
         try:

@@ -13,6 +13,7 @@ import re
 from enum import Enum
 from pathlib import Path
 
+from elastic.common.peers import is_peer_lost
 from elastic.worker.channel import EXIT_NUMERICS
 
 
@@ -28,14 +29,13 @@ class FailureKind(str, Enum):
     NUMERICS = "numerics"                      # NaN/Inf or loss spike reported by the trainer
     RENDEZVOUS_TIMEOUT = "rendezvous_timeout"  # not enough nodes joined in time
     TORCHRUN = "torchrun"                      # torchrun itself died or failed before workers ran
+    RECOVERY_FAILED = "recovery_failed"        # in-process re-formation could not continue (falls back)
 
 
 # A failure of one of these classes is a consequence of some other node's failure:
 # it does not count against this node's restart budget or its lemon record.
-UNCOUNTED = frozenset({FailureKind.PEER_LOST, FailureKind.STALL})
+UNCOUNTED = frozenset({FailureKind.PEER_LOST, FailureKind.STALL, FailureKind.RECOVERY_FAILED})
 
-_PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe",
-              "connectFullMesh failed", "Connection refused", "Socket closed")
 _TIMEOUT = ("Timed out waiting", "timed out", "Timeout", "DistBackendError: [../third_party/gloo")
 _OOM = ("OutOfMemoryError", "CUDA out of memory", "std::bad_alloc", "Cannot allocate memory")
 _EXITCODE_RE = re.compile(r"exitcode\s*:\s*(-?\d+)")
@@ -64,7 +64,7 @@ def classify(attempt_dir: Path, torchrun_rc: int | None, torchrun_log: str = "",
         text = "\n".join(messages)
         if any(m in text for m in _OOM):
             return FailureKind.OOM, "worker out of memory"
-        if all(any(m in t for m in _PEER_LOST) for t in messages):
+        if all(is_peer_lost(t) for t in messages):
             return FailureKind.PEER_LOST, "collective failed: a peer went away"
         if any(m in text for m in _TIMEOUT):
             return FailureKind.COLLECTIVE_TIMEOUT, "collective timed out"

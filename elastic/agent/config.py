@@ -26,8 +26,9 @@ DEFAULT_ACTIONS: dict[str, str] = {
     "numerics": "rollback",
     "torchrun": "restart",
     "rendezvous_timeout": "stop",
+    "recovery_failed": "restart",
 }
-_UNCOUNTED = ("peer_lost", "stall")
+_UNCOUNTED = ("peer_lost", "stall", "recovery_failed")
 
 
 @dataclass(kw_only=True)
@@ -84,6 +85,30 @@ class FailurePolicy:
 
 
 @dataclass(kw_only=True)
+class InProcessConfig:
+    """In-process recovery (elastic.agent.inprocess): healthy workers re-form without restarting."""
+
+    enabled: bool = True
+    """Recover from a lost worker or node in-process when the workload supports it (DiT, MLP);
+    false: every fault restarts every worker through a new torchrun (the epoch path)."""
+    spare: bool = True
+    """Keep one warm spare worker per node (torch and the trainer imported) to replace a dead one."""
+    join_timeout_s: float = 60.0
+    """How long workers wait for the next generation to form before falling back to a restart."""
+    probe_timeout_s: float = 1.0
+    """Connect timeout of the probe that tells a lost node (its agent unreachable) from a slow one."""
+    snapshot_mib: int = 4096
+    """Memory the agent may hold for per-step snapshots (its workers' and its buddy node's)."""
+
+    def __post_init__(self) -> None:
+        for name in ("join_timeout_s", "probe_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(name, "must be > 0")
+        if self.snapshot_mib < 1:
+            raise ConfigError("snapshot_mib", "must be >= 1")
+
+
+@dataclass(kw_only=True)
 class PreflightConfig:
     enabled: bool = True
     """Screen the node with ``diag burnin`` before it joins and after a failure whose action is rescreen."""
@@ -124,6 +149,7 @@ class AgentConfig:
     leader: LeaderConfig = field(default_factory=LeaderConfig)
     preflight: PreflightConfig = field(default_factory=PreflightConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    inprocess: InProcessConfig = field(default_factory=InProcessConfig)
 
     def __post_init__(self) -> None:
         if self.max_restarts < 0:

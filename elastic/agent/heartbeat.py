@@ -67,21 +67,32 @@ class RankView:
 class HeartbeatMonitor:
     """Tracks one torchrun attempt's local ranks; reset for each attempt."""
 
-    def __init__(self, config: HeartbeatConfig, clock=time.monotonic) -> None:
+    def __init__(self, config: HeartbeatConfig, clock=time.monotonic, recovery_grace_s: float = 0.0) -> None:
         self.config = config
         self.clock = clock
+        self.recovery_grace_s = recovery_grace_s
+        self.recovering_until = 0.0  # in-process re-formation under way: silence is expected
         self.started = clock()
         self.ranks: dict[int, RankView] = {}
         self.first_step_at: float | None = None
         self.finished = False  # the trainer said it is done: silence from here on is shutdown
         self._cpu_at_silence: dict[int, float] = {}
 
+    def recovering(self) -> None:
+        """A peer was lost and the world re-forms in-process: no verdict for ``recovery_grace_s``."""
+        self.recovering_until = self.clock() + self.recovery_grace_s
+
     def observe(self, report: dict) -> None:
         if report.get("type") == "done":
             self.finished = True
+        if report.get("type") == "fault":
+            self.recovering()
+        if report.get("type") == "recovered":
+            self.recovering_until = 0.0
         if report.get("type") != "step":
             return
-        rank = int(report.get("rank", -1))
+        # Keyed by local rank: the global rank of a slot may change when the world re-forms in-process.
+        rank = int(report.get("local_rank", report.get("rank", -1)))
         view = self.ranks.get(rank)
         if view is None or view.pid != report.get("pid"):
             view = self.ranks[rank] = RankView(pid=int(report.get("pid", 0)))
@@ -107,7 +118,7 @@ class HeartbeatMonitor:
         return now - min(v.last_seen for v in self.ranks.values())
 
     def check(self) -> tuple[Silence, str]:
-        if self.finished:
+        if self.finished or self.clock() < self.recovering_until:
             return Silence.NONE, ""
         silent = self.silent_for()
         if self.first_step_at is None:

@@ -24,6 +24,7 @@ budget: a restart caused by a peer is a membership change, not a failure of this
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
@@ -35,12 +36,13 @@ from elastic.agent.config import AgentConfig, RendezvousConfig
 from elastic.agent.failures import Decision, FailureHandler, ProgressGuard
 from elastic.agent.metrics import AgentMetrics, MeteredEventLog
 from elastic.agent.records import NodeRecords
+from elastic.agent.inprocess import InProcessWorkers, memory_store
 from elastic.agent.scopes import make_scope
 from elastic.agent.screener import Screener
 from elastic.agent.supervise import Supervisor
 from elastic.checkpoint.config import MemoryCacheConfig
-from elastic.checkpoint.memstate import MemStateServer
 from elastic.common.env import WorkerEnv
+from elastic.common.procs import become_subreaper
 from elastic.common.events import EventLog
 from elastic.control.admission import Admission, Refused
 from elastic.control.keys import RunKeys
@@ -73,7 +75,7 @@ class AgentState(str, Enum):
 class NodeAgent:
     def __init__(self, spec: NodeSpec, config: AgentConfig, rdzv: RendezvousConfig, admission: Admission | None = None,
                  memory: MemoryCacheConfig | None = None, replicas: ReplicaConfig | None = None,
-                 store: KVStore | None = None) -> None:
+                 store: KVStore | None = None, inprocess: bool = False) -> None:
         self.spec, self.config, self.rdzv, self.admission = spec, config, rdzv, admission
         self.store = store if store is not None else EtcdStore(spec.endpoint)
         self.keys = RunKeys.of(rdzv.key_prefix, spec.run_id)
@@ -89,11 +91,13 @@ class NodeAgent:
         self._leader: LeaderLoop | None = None
         self.inbox = ReportInbox()
         self.scope = make_scope(spec, self.state, self.events, replicas)
-        # The node's in-memory copy of its workers' newest checkpoint state (elastic.checkpoint.memstate):
-        # it outlives the workers, so a restart on this node loads from RAM.
-        self.memstate = (MemStateServer(memory.max_mib << 20, self.events, memory.timeout_s)
-                         if memory is not None and memory.enabled else None)
         self.records = NodeRecords(self.state, spec.node_id, self.events, lambda: self.metrics.address)
+        # In-process recovery: the agent adopts its workers from torchrun (elastic.agent.inprocess).
+        self.inprocess = config.inprocess if inprocess and become_subreaper() else None
+        self.memstate = memory_store(spec, self.state, self.events,
+                                     memory.max_mib if memory is not None and memory.enabled else 0, self.inprocess)
+        if self.memstate is not None and self.inprocess is not None:
+            self.records.extra["memstate"] = {"addr": self.memstate.addr, "token": self.memstate.token}
         self.screener = Screener(config.preflight, spec.node_id, spec.run_dir, spec.endpoint, self.state, self.events)
         self.failures = FailureHandler(config.failure, spec.node_id, self.state, self.events)
         self.progress = ProgressGuard(config.failure.no_progress_restarts)
@@ -213,8 +217,11 @@ class NodeAgent:
         attempt = self.current = self.new_attempt(epoch, prep.env)
         pid = attempt.start()
         self._set_state(AgentState.RUNNING, epoch=epoch, attempt=self.attempt, torchrun_pid=pid)
+        workers = (InProcessWorkers(self.spec, self.inprocess, self.state, self.events, self.memstate, epoch)
+                   if self.inprocess is not None and self.memstate is not None else None)
         try:
-            return self.supervisor.watch(attempt, epoch, lambda: f"signal {self._stop_signal}")
+            return self.supervisor.watch(attempt, epoch, lambda: f"signal {self._stop_signal}", workers,
+                                         lambda result: self._replace_in_process(result, epoch))
         finally:
             self.current = None
 
@@ -226,11 +233,13 @@ class NodeAgent:
             self.scope.target(epoch, self.attempt), self.config.term_grace_s, extra_env=extra_env)
 
     def _worker_env(self, epoch: int) -> WorkerEnv:
-        mem = self.memstate
+        mem, inproc = self.memstate, self.inprocess
         return WorkerEnv(agent_addr=self.inbox.address, node_id=self.spec.node_id, run_id=self.spec.run_id,
                          etcd_endpoint=self.spec.endpoint, run_prefix=self.keys.prefix, epoch=str(epoch),
                          pg_timeout=str(self.config.pg_timeout_s), skip_steps=self.state.skip_spec(),
-                         memstate_addr=mem.addr if mem else "", memstate_token=mem.token if mem else "")
+                         memstate_addr=mem.addr if mem else "", memstate_token=mem.token if mem else "",
+                         inprocess=f"{inproc.join_timeout_s:g}" if inproc else "", local_addr=self.spec.local_addr,
+                         agent_pid=str(os.getpid()) if inproc else "")
 
     def _after(self, result: AttemptResult, epoch: int) -> int | None:
         """The exit code once this node is finished, or None to run another attempt."""
@@ -254,7 +263,19 @@ class NodeAgent:
         if result.outcome == Outcome.PEER_RESTART:
             self.events.emit("agent.restart", reason="peer", epoch=epoch, counted=False)
             return self._progress_check()
-        return self._act(self.failures.decide(result, epoch), result, epoch)
+        return self._act(result.decision or self.failures.decide(result, epoch), result, epoch)
+
+    def _replace_in_process(self, result: AttemptResult, epoch: int) -> bool:
+        """A local worker died after torchrun retired: may the warm spare take its slot?"""
+        result.decision = decision = self.failures.decide(result, epoch)
+        if decision.action not in ("restart", "rescreen") or self.failures.failures > self.config.max_restarts:
+            return False  # the attempt ends; _after acts on the decision already taken
+        self._set_state(AgentState.FAILED, rc=result.rc, failure_kind=decision.kind.value, detail=decision.detail,
+                        failures=self.failures.failures, epoch=epoch, action="replace")
+        self.events.emit("agent.restart", reason=decision.kind.value, epoch=epoch, counted=decision.counted,
+                         failures=self.failures.failures, action="replace", path="inprocess")
+        self._set_state(AgentState.RUNNING, epoch=epoch, attempt=self.attempt, path="inprocess")
+        return True
 
     def _act(self, decision: Decision, result: AttemptResult, epoch: int) -> int | None:
         self._set_state(AgentState.FAILED, rc=result.rc, failure_kind=decision.kind.value, detail=decision.detail,

@@ -20,11 +20,13 @@ T = TypeVar("T")
 
 
 class NodeRecords:
-    def __init__(self, state: RunState, node_id: str, events: EventLog, metrics_address: Callable[[], Any]) -> None:
+    def __init__(self, state: RunState, node_id: str, events: EventLog, metrics_address: Callable[[], Any],
+                 extra: dict[str, Any] | None = None) -> None:
         self.state = state
         self.node_id = node_id
         self.events = events
         self.metrics_address = metrics_address
+        self.extra = extra or {}  # e.g. where peers reach this node's snapshot store
         self.lease: LeaseKeeper | None = None
 
     @property
@@ -43,7 +45,7 @@ class NodeRecords:
         if self.lease is None:
             return
         record = {"node": self.node_id, "host": socket.gethostname(), "pid": os.getpid(), "state": agent_state,
-                  "failures": failures, "ts": time.time(), "metrics": self.metrics_address()}
+                  "failures": failures, "ts": time.time(), "metrics": self.metrics_address(), **self.extra}
         self.quietly("publish_node", lambda: self.state.put_node(self.node_id, record, lease=self.lease_id))
 
     def heartbeat(self, epoch: int, agent_state: str, summary: dict[str, Any]) -> None:

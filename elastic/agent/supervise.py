@@ -18,6 +18,7 @@ from elastic.agent.classify import FailureKind
 from elastic.agent.config import AgentConfig
 from elastic.agent.failures import ProgressGuard
 from elastic.agent.heartbeat import HeartbeatMonitor, Silence
+from elastic.agent.inprocess import InProcessWorkers
 from elastic.agent.metrics import AgentMetrics
 from elastic.agent.records import NodeRecords
 from elastic.agent.scopes import RestartScope
@@ -45,15 +46,27 @@ class Supervisor:
         self.stop = stop
         self.agent_state = agent_state
         self.monitor = HeartbeatMonitor(config.heartbeat)
+        self.workers: InProcessWorkers | None = None
+        self.on_failure: Callable[[AttemptResult], bool] = lambda result: False
 
     def stop_attempt(self, attempt: TorchrunAttempt, reason: str) -> None:
-        if attempt.running:
+        workers = self.workers
+        if workers is not None and workers.detached:
+            self.events.emit("agent.stop_workers", reason=reason, pids=workers.stop(self.config.term_grace_s))
+        elif attempt.running:
             pids = attempt.stop()
             self.events.emit("agent.stop_workers", reason=reason, pids=pids)
 
-    def watch(self, attempt: TorchrunAttempt, epoch: int, stop_reason: Callable[[], str]) -> AttemptResult:
-        """Until the attempt ends: its result."""
-        self.monitor = HeartbeatMonitor(self.config.heartbeat)
+    def watch(self, attempt: TorchrunAttempt, epoch: int, stop_reason: Callable[[], str],
+              workers: InProcessWorkers | None = None,
+              on_failure: Callable[[AttemptResult], bool] = lambda result: False) -> AttemptResult:
+        """Until the attempt ends: its result.  With ``workers`` the attempt may outlive its torchrun
+        (in-process recovery): ``on_failure`` then decides whether a dead worker is replaced."""
+        grace = self.config.inprocess.join_timeout_s + self.config.heartbeat.step_timeout_s
+        self.monitor = HeartbeatMonitor(self.config.heartbeat, recovery_grace_s=grace if workers else 0.0)
+        if workers is not None:
+            workers.on_replace = self.monitor.recovering
+        self.workers, self.on_failure = workers, on_failure
         self._numerics_step: int | None = None
         next_poll = next_beat = time.monotonic()
         while True:
@@ -82,6 +95,12 @@ class Supervisor:
             self.inbox.wait(self.config.monitor_interval_s)
 
     def _exited(self, attempt: TorchrunAttempt, epoch: int) -> AttemptResult | None:
+        if self.workers is not None and self.workers.detached:
+            result = self.workers.poll(self.on_failure)
+            if result is not None and result.outcome == Outcome.FAILED:
+                result.numerics_step = self._numerics_step
+                self.stop_attempt(attempt, f"fall back: {result.detail}")
+            return result
         rc = attempt.poll()
         if rc is None:
             return None
@@ -94,6 +113,10 @@ class Supervisor:
 
     def _on_report(self, report: dict, attempt: TorchrunAttempt, epoch: int) -> None:
         kind = report.get("type")
+        if self.workers is not None:
+            self.workers.observe(report)
+            if self.workers.ready() and attempt.running:
+                self.workers.detach(attempt, attempt.worker_env)
         if kind == "step":
             first = self.monitor.first_step_at is None
             self.monitor.observe(report)

@@ -90,7 +90,7 @@ from elastic.checkpoint.load import (
     step_dir_name,
 )
 from elastic.checkpoint.memory import MemoryFastPath, RecordingStager, as_state_dicts
-from elastic.checkpoint.memstate import MemStateClient
+from elastic.checkpoint.memclient import MemStateClient
 from elastic.checkpoint.publish import EtcdCheckpointPublisher, publisher_from_env
 from elastic.checkpoint.storage import CheckpointStorage, LocalStorage
 from elastic.common import collectives

@@ -47,7 +47,8 @@ from elastic.checkpoint.config import MemoryCacheConfig
 from elastic.common import collectives
 from elastic.common.env import EPOCH_ENV
 from elastic.common.events import EventLog
-from elastic.checkpoint.memstate import EntryMeta, MemStateClient, MemStateError, reject_reason, sha256_bytes, sha256_chunks
+from elastic.checkpoint.memclient import MemStateClient
+from elastic.checkpoint.memstate import EntryMeta, MemStateError, reject_reason, sha256_bytes, sha256_chunks
 
 _FORMAT = "elastic-memstate-v1"
 _TENSOR_REF = "__memstate_tensor__"

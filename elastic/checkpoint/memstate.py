@@ -34,6 +34,7 @@ import socket
 import socketserver
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -189,6 +190,42 @@ class MemStateCache:
         with self._lock:
             return self._entries.get(slot)
 
+    def snap_put(self, meta: SnapMeta, *chunks: Chunk, replica: bool = False) -> None:
+        with self._connect() as sock:
+            try:
+                _send(sock, {"op": "snap_put", "token": self.token, "meta": meta.to_json(), "replica": replica},
+                      *chunks)
+                reply = _read_line(sock)
+            except (OSError, ValueError, ConnectionError) as exc:
+                raise MemStateUnavailable(f"snapshot push failed: {exc}") from exc
+        if not reply.get("ok"):
+            raise MemStateRejected(str(reply.get("error")))
+
+    def snap_get(self, node: str, slot: int, step: int | None = None) -> tuple[SnapMeta, bytearray] | None:
+        with self._connect() as sock:
+            try:
+                _send(sock, {"op": "snap_get", "token": self.token, "node": node, "slot": slot, "step": step})
+                reply = _read_line(sock)
+                if not reply.get("ok"):
+                    if reply.get("miss"):
+                        return None
+                    raise MemStateRejected(str(reply.get("error")))
+                meta = SnapMeta.from_json(reply["meta"])
+                data = _read_exact(sock, meta.nbytes)
+            except (OSError, ValueError, ConnectionError) as exc:
+                raise MemStateUnavailable(f"snapshot fetch failed: {exc}") from exc
+        if sha256_bytes(data) != meta.sha256:
+            raise MemStateCorrupt(f"snapshot {node}/{slot}: bytes do not match their sha256")
+        return meta, data
+
+    def snap_list(self) -> list[SnapMeta]:
+        with self._connect() as sock:
+            try:
+                _send(sock, {"op": "snap_list", "token": self.token})
+                return [SnapMeta.from_json(m) for m in _read_line(sock).get("metas", [])]
+            except (OSError, ValueError, ConnectionError) as exc:
+                raise MemStateUnavailable(f"snapshot list failed: {exc}") from exc
+
     def drop(self, slot: int) -> bool:
         with self._lock:
             return self._entries.pop(slot, None) is not None
@@ -201,6 +238,69 @@ class MemStateCache:
         return sum(meta.nbytes for meta in self.metas())
 
 
+@dataclass(frozen=True, kw_only=True)
+class SnapMeta:
+    """One per-step snapshot of one worker's shard (:mod:`elastic.checkpoint.snapshot`)."""
+
+    node: str
+    slot: int
+    """The worker's LOCAL_RANK on ``node``."""
+    rank: int
+    world_size: int
+    epoch: int
+    gen: int
+    step: int
+    sha256: str
+    nbytes: int
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> SnapMeta:
+        names = {f.name for f in dataclasses.fields(cls)}
+        if names - set(data):
+            raise ValueError(f"snapshot metadata lacks {sorted(names - set(data))}")
+        return cls(**{k: data[k] for k in names})
+
+
+class SnapshotCache:
+    """The newest ``depth`` snapshots of each (node, slot): this node's workers' and, as a buddy, a peer's.
+
+    Two steps are kept because the ranks of a failed step may differ by one step in what they
+    last pushed; the restore then agrees on the older one.
+    """
+
+    def __init__(self, max_bytes: int, depth: int = 2) -> None:
+        self.max_bytes = max_bytes
+        self.depth = depth
+        self._entries: dict[tuple[str, int], list[tuple[SnapMeta, bytearray]]] = {}
+        self._lock = threading.Lock()
+
+    def put(self, meta: SnapMeta, data: bytearray) -> None:
+        if len(data) != meta.nbytes or sha256_bytes(data) != meta.sha256:
+            raise MemStateRejected("snapshot bytes do not match their header (corrupt upload)")
+        with self._lock:
+            kept = [e for e in self._entries.get((meta.node, meta.slot), [])
+                    if (e[0].epoch, e[0].gen, e[0].step) != (meta.epoch, meta.gen, meta.step)]
+            kept = sorted(kept + [(meta, data)], key=lambda e: (e[0].epoch, e[0].step, e[0].gen))[-self.depth:]
+            others = sum(m.nbytes for key, es in self._entries.items() if key != (meta.node, meta.slot)
+                         for m, _ in es)
+            if others + sum(m.nbytes for m, _ in kept) > self.max_bytes:
+                raise MemStateRejected(f"snapshot of {meta.nbytes} bytes does not fit (limit {self.max_bytes})")
+            self._entries[(meta.node, meta.slot)] = kept
+
+    def get(self, node: str, slot: int, step: int | None = None) -> tuple[SnapMeta, bytearray] | None:
+        with self._lock:
+            entries = self._entries.get((node, slot), [])
+            matching = [e for e in entries if step is None or e[0].step == step]
+            return matching[-1] if matching else None
+
+    def metas(self) -> list[SnapMeta]:
+        with self._lock:
+            return [meta for entries in self._entries.values() for meta, _ in entries]
+
+
 class _Handler(socketserver.BaseRequestHandler):
     server: _TCPServer
 
@@ -209,6 +309,8 @@ class _Handler(socketserver.BaseRequestHandler):
         sock.settimeout(self.server.io_timeout_s)
         owner = self.server.owner
         try:
+            if not sock.recv(1, socket.MSG_PEEK):
+                return  # connected and closed without a word: a peer agent probing that this one lives
             header = _read_line(sock)
             if not secrets.compare_digest(str(header.get("token", "")), owner.token):
                 _send(sock, {"ok": False, "error": "bad token"})
@@ -228,11 +330,15 @@ class _TCPServer(socketserver.ThreadingTCPServer):
 class MemStateServer:
     """The agent side: a loopback TCP server in front of one :class:`MemStateCache`."""
 
-    def __init__(self, max_bytes: int, events: EventLog | None = None, io_timeout_s: float = 60.0) -> None:
+    def __init__(self, max_bytes: int, events: EventLog | None = None, io_timeout_s: float = 60.0,
+                 host: str = "127.0.0.1") -> None:
         self.cache = MemStateCache(max_bytes)
+        self.snapshots = SnapshotCache(max_bytes)
+        # Set by the agent: a copy of every snapshot of this node's workers goes to the buddy node.
+        self.replicate: Callable[[SnapMeta, bytearray], None] | None = None
         self.events = events or EventLog(None, "memstate")
         self.token = secrets.token_hex(16)
-        self._server = _TCPServer(("127.0.0.1", 0), _Handler)
+        self._server = _TCPServer((host, 0), _Handler)
         self._server.owner = self
         self._server.io_timeout_s = io_timeout_s
         # A short poll interval only bounds how long close() waits for the serving thread.
@@ -262,6 +368,12 @@ class MemStateServer:
             _send(sock, {"ok": True, "meta": meta.to_json()}, data)
         elif op == "drop":
             _send(sock, {"ok": True, "dropped": self.cache.drop(int(header["slot"]))})
+        elif op == "snap_put":
+            self._snap_put(sock, header)
+        elif op == "snap_get":
+            self._snap_get(sock, header)
+        elif op == "snap_list":
+            _send(sock, {"ok": True, "metas": [m.to_json() for m in self.snapshots.metas()]})
         else:
             _send(sock, {"ok": False, "error": f"unknown op {op!r}"})
 
@@ -283,69 +395,32 @@ class MemStateServer:
                          recv_s=round(time.monotonic() - t0, 6), held_bytes=self.cache.held_bytes())
         _send(sock, {"ok": True})
 
+    def _snap_put(self, sock: socket.socket, header: dict[str, Any]) -> None:
+        meta = SnapMeta.from_json(header["meta"])
+        data = _read_exact(sock, meta.nbytes)
+        try:
+            self.snapshots.put(meta, data)
+        except MemStateRejected as exc:
+            self.events.emit("memstate.snapshot_rejected", node=meta.node, slot=meta.slot, step=meta.step,
+                             error=str(exc))
+            _send(sock, {"ok": False, "error": str(exc)})
+            return
+        # Replication is synchronous: the worker's push completes once the buddy holds the copy too,
+        # so a whole node's loss never costs more than the step in flight.
+        if self.replicate is not None and not header.get("replica"):
+            self.replicate(meta, data)
+        _send(sock, {"ok": True})
+
+    def _snap_get(self, sock: socket.socket, header: dict[str, Any]) -> None:
+        step = header.get("step")
+        entry = self.snapshots.get(str(header["node"]), int(header["slot"]), None if step is None else int(step))
+        if entry is None:
+            _send(sock, {"ok": False, "error": "empty", "miss": True})
+            return
+        meta, data = entry
+        _send(sock, {"ok": True, "meta": meta.to_json()}, data)
+
     def close(self) -> None:
         self._server.shutdown()
         self._server.server_close()
         self._thread.join(timeout=5)
-
-
-class MemStateClient:
-    """The worker side: push and fetch one slot's entry."""
-
-    def __init__(self, addr: str, token: str, timeout_s: float = 60.0) -> None:
-        host, _, port = addr.rpartition(":")
-        if host not in ("127.0.0.1", "localhost"):
-            raise ValueError(f"{MEMSTATE_ADDR_ENV}: the cache is loopback-only, got host {host!r}")
-        self.addr = ("127.0.0.1", int(port))
-        self.token = token
-        self.timeout_s = timeout_s
-
-    @classmethod
-    def from_env(cls, environ: dict[str, str], timeout_s: float = 60.0) -> MemStateClient | None:
-        addr = environ.get(MEMSTATE_ADDR_ENV, "").strip()
-        if not addr:
-            return None
-        return cls(addr, environ.get(MEMSTATE_TOKEN_ENV, ""), timeout_s)
-
-    def _connect(self) -> socket.socket:
-        try:
-            return socket.create_connection(self.addr, timeout=self.timeout_s)
-        except OSError as exc:
-            raise MemStateUnavailable(f"cannot reach the agent's cache at {self.addr[0]}:{self.addr[1]}: {exc}") from exc
-
-    def put(self, meta: EntryMeta, *chunks: Chunk) -> None:
-        """Store the concatenation of ``chunks`` (sent as they are: no joined copy) as the slot's entry."""
-        with self._connect() as sock:
-            try:
-                _send(sock, {"op": "put", "token": self.token, "meta": meta.to_json()}, *chunks)
-                reply = _read_line(sock)
-            except (OSError, ValueError, ConnectionError) as exc:
-                raise MemStateUnavailable(f"push failed: {exc}") from exc
-        if not reply.get("ok"):
-            raise MemStateRejected(str(reply.get("error")))
-
-    def get(self, slot: int) -> tuple[EntryMeta, bytearray] | None:
-        """The slot's entry (its sha256 verified), or None when the slot is empty."""
-        with self._connect() as sock:
-            try:
-                _send(sock, {"op": "get", "token": self.token, "slot": slot})
-                reply = _read_line(sock)
-                if not reply.get("ok"):
-                    if reply.get("miss"):
-                        return None
-                    raise MemStateRejected(str(reply.get("error")))
-                meta = EntryMeta.from_json(reply["meta"])
-                data = _read_exact(sock, meta.nbytes)
-            except (OSError, ValueError, ConnectionError) as exc:
-                raise MemStateUnavailable(f"fetch failed: {exc}") from exc
-        if sha256_bytes(data) != meta.sha256:
-            raise MemStateCorrupt(f"slot {slot}: cached bytes do not match their sha256")
-        return meta, data
-
-    def drop(self, slot: int) -> bool:
-        with self._connect() as sock:
-            try:
-                _send(sock, {"op": "drop", "token": self.token, "slot": slot})
-                return bool(_read_line(sock).get("dropped"))
-            except (OSError, ValueError, ConnectionError) as exc:
-                raise MemStateUnavailable(f"drop failed: {exc}") from exc

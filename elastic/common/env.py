@@ -26,6 +26,14 @@ SKIP_STEPS_ENV = "ELASTIC_SKIP_STEPS"
 """Steps whose batch is skipped after a numerics rollback (``"12-12,30-31"``)."""
 MEMSTATE_ADDR_ENV = "ELASTIC_MEMSTATE_ADDR"
 MEMSTATE_TOKEN_ENV = "ELASTIC_MEMSTATE_TOKEN"
+INPROCESS_ENV = "ELASTIC_INPROCESS"
+"""In-process recovery on: how long (s) a worker waits for the next generation to form."""
+JOIN_GEN_ENV = "ELASTIC_JOIN_GEN"
+"""Set for a warm spare taking over a dead worker's slot: the generation it joins."""
+LOCAL_ADDR_ENV = "ELASTIC_LOCAL_ADDR"
+"""Where peers reach this node (torchrun --local-addr); a new generation's rank 0 serves its store there."""
+AGENT_PID_ENV = "ELASTIC_AGENT_PID"
+"""In in-process mode workers outlive torchrun; they watch their agent instead (no orphans)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -42,6 +50,10 @@ class WorkerEnv:
     skip_steps: str = ""
     memstate_addr: str = ""
     memstate_token: str = ""
+    inprocess: str = ""
+    join_gen: str = ""
+    agent_pid: str = ""
+    local_addr: str = ""
 
     def to_env(self) -> dict[str, str]:
         return {_NAMES[f.name]: getattr(self, f.name) for f in fields(self)}
@@ -57,4 +69,6 @@ _NAMES = {
     "etcd_endpoint": ETCD_ENDPOINT_ENV, "run_prefix": RUN_PREFIX_ENV, "epoch": EPOCH_ENV,
     "pg_timeout": PG_TIMEOUT_ENV, "skip_steps": SKIP_STEPS_ENV,
     "memstate_addr": MEMSTATE_ADDR_ENV, "memstate_token": MEMSTATE_TOKEN_ENV,
+    "inprocess": INPROCESS_ENV, "join_gen": JOIN_GEN_ENV, "agent_pid": AGENT_PID_ENV,
+    "local_addr": LOCAL_ADDR_ENV,
 }

@@ -100,3 +100,29 @@ def terminate_tree(root_pid: int | None, known: Iterable[int] = (), grace: float
             return
         time.sleep(0.05)
     signal_all(pids, signal.SIGKILL)
+
+
+_PR_SET_CHILD_SUBREAPER = 36
+
+
+def become_subreaper() -> bool:
+    """Orphaned descendants are re-parented to this process instead of init (Linux), so it can reap
+    and supervise the workers after retiring the torchrun that started them."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def reap(pid: int) -> int | None:
+    """The exit status of a child that ended (negative: killed by that signal, as Popen reports it),
+    None while it runs.  A pid that is not (or no longer) our child reads as ended with status 0 only
+    when /proc no longer lists it alive."""
+    try:
+        done, status = os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        return None if alive(pid) else 0
+    if done == 0:
+        return None
+    return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)

@@ -17,6 +17,8 @@ can be listed, inspected (``elastic status``) and cleaned up as one prefix range
     checkpoint/latest          newest committed checkpoint (a hint; disk is the truth)
     torchft/{lighthouse,finished}
     rdzv/...                   torchrun rendezvous (per rendezvous id)
+    gen/<epoch>/<g>/...        in-process re-formation of generation g of an epoch (members, joins,
+                               lost nodes, plan, the c10d store of the generation's process groups)
 
 Nothing outside this module formats a run key; callers ask :class:`RunKeys` for it.
 """
@@ -135,6 +137,26 @@ class RunKeys:
     def c10d_store(self) -> str:
         """Prefix of the torch ``Store`` torchrun's agents share (rank assignment, barriers)."""
         return self._k("c10d")
+
+    # -- in-process generations (elastic.worker.generations) ------------------
+    def generation(self, epoch: int, gen: int) -> str:
+        """Prefix of generation ``gen`` of ``epoch``: every key of one in-process re-formation."""
+        return self._k("gen", str(epoch), str(gen), "")
+
+    def gen_member(self, epoch: int, gen: int, node: str, local_rank: int) -> str:
+        return self.generation(epoch, gen) + f"members/{node}/{local_rank}"
+
+    def gen_join(self, epoch: int, gen: int, node: str, local_rank: int) -> str:
+        return self.generation(epoch, gen) + f"join/{node}/{local_rank}"
+
+    def gen_lost(self, epoch: int, gen: int, node: str) -> str:
+        return self.generation(epoch, gen) + f"lost/{node}"
+
+    def gen_plan(self, epoch: int, gen: int) -> str:
+        return self.generation(epoch, gen) + "plan"
+
+    def gen_store(self, epoch: int, gen: int) -> str:
+        return self.generation(epoch, gen) + "store"
 
     @staticmethod
     def tail(key: str, prefix: str) -> str:

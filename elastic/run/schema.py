@@ -158,6 +158,13 @@ class RunConfig:
         assert workload is not None
         return workload.argv(self.replicas.enabled)
 
+    def inprocess_recovery(self) -> bool:
+        """Whether faults are recovered in-process: on in the agent config, supported by the workload,
+        and not in replica-group mode (torchft recovers a group its own way)."""
+        workload = self.workload()
+        return (self.agent.inprocess.enabled and not self.replicas.enabled and workload is not None
+                and workloads.INPROCESS in workload.capabilities)
+
     def _check_replicas(self, workload: Workload | None) -> None:
         if not self.replicas.enabled:
             return

@@ -21,6 +21,8 @@ GROUP = "elastic.workloads"
 
 REPLICAS = "replicas"
 """Capability: the workload has a torchft replica-group entry point."""
+INPROCESS = "inprocess"
+"""Capability: the trainer runs in a WorkerSession loop that can re-form its world in-process."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -32,13 +34,15 @@ class Workload:
     """Dataclass of the run config's ``trainer`` section."""
     replica_entry: str = ""
     """Module that speaks torchft, run instead of ``entry`` when ``replicas.enabled``."""
+    inprocess: bool = False
+    """Its trainer drives its steps through ``WorkerSession.train`` (in-process recovery works)."""
     check_world: Callable[[Any, int], None] | None = None
     """Raises ConfigError (path relative to ``trainer``) for a world size the config cannot use."""
     description: str = ""
 
     @property
     def capabilities(self) -> frozenset[str]:
-        return frozenset({REPLICAS} if self.replica_entry else ())
+        return frozenset(name for name, on in ((REPLICAS, bool(self.replica_entry)), (INPROCESS, self.inprocess)) if on)
 
     def argv(self, replicas: bool) -> list[str]:
         return ["-m", self.replica_entry if replicas else self.entry]

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from elastic.common.env import AGENT_ADDR_ENV, SKIP_STEPS_ENV
+from elastic.common.env import AGENT_ADDR_ENV, INPROCESS_ENV, SKIP_STEPS_ENV
 from elastic.common.procs import set_parent_death_signal
 
 
@@ -69,7 +69,11 @@ class WorkerContext:
         )
         if addr is not None:
             # Under an agent, a worker must not outlive torchrun (node-lost semantics, no orphans).
-            set_parent_death_signal(signal.SIGKILL)
+            # Under an agent a worker must not outlive its parent (node-lost semantics, no orphans); in
+            # in-process mode the parent is torchrun, which the agent retires, so the worker watches
+            # the agent itself instead (elastic.worker.session).
+            if not os.environ.get(INPROCESS_ENV):
+                set_parent_death_signal(signal.SIGKILL)
             ctx._sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
             ctx._sock.setblocking(False)
         return ctx
@@ -86,10 +90,11 @@ class WorkerContext:
         except OSError:
             pass  # agent gone or buffer full: never let reporting hurt training
 
-    def report_step(self, step: int, loss: float, step_time: float, busy_time: float | None = None) -> None:
+    def report_step(self, step: int, loss: float, step_time: float, busy_time: float | None = None,
+                    gen: int = 0) -> None:
         """``busy_time``: the step's time minus the time spent waiting for peers at its sync point
         (what tells a straggler apart: in synchronous training every rank's step takes as long)."""
-        payload = {"type": "step", "step": step, "loss": loss, "step_time": step_time}
+        payload = {"type": "step", "step": step, "loss": loss, "step_time": step_time, "gen": gen}
         if busy_time is not None:
             payload["busy_time"] = busy_time
         self._send(payload)
@@ -103,3 +108,10 @@ class WorkerContext:
 
     def report_numerics(self, step: int, reason: str) -> None:
         self._send({"type": "numerics", "step": step, "reason": reason})
+
+    def report_fault(self, step: int, gen: int, error: str) -> None:
+        """A peer was lost during ``step``: this worker is re-forming in-process (not hung)."""
+        self._send({"type": "fault", "step": step, "gen": gen, "error": error[:300]})
+
+    def report_recovered(self, step: int, gen: int, world_size: int, source: str) -> None:
+        self._send({"type": "recovered", "step": step, "gen": gen, "world_size": world_size, "source": source})

@@ -9,6 +9,7 @@ writes the same files on the target node)::
     {"kind": "hang",      "rank": 2, "step": 8}            # SIGSTOP itself at that step
     {"kind": "exit",      "rank": 1, "step": 9, "code": 1}  # die with an exit code (crash)
     {"kind": "ckpt_write_error", "step": 10}               # the checkpoint writer raises ENOSPC
+    {"kind": "snapshot_kill", "rank": 1, "step": 12}       # SIGKILL itself halfway through the step's snapshot push
 
 ``rank`` may be omitted (every rank) or be a list; ``node`` (a node id, or a
 list) restricts a fault to the workers of that node, whatever ranks they get. A fault with ``"once": true``
@@ -35,7 +36,8 @@ from typing import Any
 from elastic.common.env import NODE_ID_ENV
 
 FAULTS_DIR = "faults"
-ONCE_BY_DEFAULT = {"nan_loss": True, "hang": True, "exit": True, "ckpt_write_error": True, "straggle": False}
+ONCE_BY_DEFAULT = {"nan_loss": True, "hang": True, "exit": True, "ckpt_write_error": True, "straggle": False,
+                   "snapshot_kill": True}
 KINDS = frozenset(ONCE_BY_DEFAULT)
 
 
@@ -171,3 +173,10 @@ class FaultHooks:
     def checkpoint_write_fails(self, step: int) -> bool:
         """The predicate of :class:`~elastic.checkpoint.storage.FaultInjectingStorage` (fires the fault)."""
         return self.checkpoint_write_error(step) is not None
+
+    def snapshot_kill(self, step: int) -> bool:
+        """Whether this rank dies halfway through pushing the snapshot of ``step`` (fires once)."""
+        for fault in self._matching("snapshot_kill", step):
+            self._fire(fault, step)
+            return True
+        return False

@@ -24,12 +24,13 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -45,6 +46,7 @@ from elastic.run.schema import RunConfig, load_run_file
 from elastic.worker.channel import EXIT_NUMERICS, WorkerContext, skip_steps
 from elastic.worker.checksum import param_checksum, publish_checksum
 from elastic.worker.faults import FaultHooks
+from elastic.worker.inprocess import EXIT_RECOVERY_FAILED, InProcess, is_peer_failure, wait_for_agent
 from elastic.worker.scalars import ScalarLog
 
 EXIT_CONFIG = 2
@@ -69,6 +71,34 @@ class NumericsRollback(StopTraining):
         self.reason = reason
 
 
+class RecoveryFailed(StopTraining):
+    """In-process recovery could not continue; the agents restart the epoch from disk."""
+
+    code = EXIT_RECOVERY_FAILED
+    label = "in-process recovery failed"
+
+
+class Trainable(Protocol):
+    """What a trainer builds for the current world, and the session drives step by step."""
+
+    model: nn.Module
+    last_step: int
+
+    def state(self) -> dict[str, Any]:
+        """The DCP-stateful objects of a checkpoint (and of a memory snapshot)."""
+
+    def extra(self) -> dict[str, Any]:
+        """Per-rank state (RNG) kept beside this rank's shard."""
+
+    def resumed(self, step: int, extra: dict[str, Any] | None) -> dict[str, Any]:
+        """After a load (``extra``: this rank's, when it fits): restore what the state does not; event fields."""
+
+    def step(self, step: int) -> None:
+        """One training step (the session saves and snapshots after it)."""
+
+    def done_fields(self) -> dict[str, Any]: ...
+
+
 def pg_timeout(default_s: float = 600.0) -> timedelta:
     """Collective timeout chosen by the agent (kept above its hang detection)."""
     return timedelta(seconds=float(os.environ.get(PG_TIMEOUT_ENV) or default_s))
@@ -80,21 +110,44 @@ def init_process() -> tuple[torch.device, int, int]:
     The thread count is set explicitly because a resumed run is only bitwise equal to an
     uninterrupted one with the same number of intra-op threads.
     """
+    device = init_device()
+    if not dist.is_initialized():
+        dist.init_process_group(_backend(device), timeout=pg_timeout())
+    return device, dist.get_rank(), dist.get_world_size()
+
+
+def init_device() -> torch.device:
+    """``cuda:LOCAL_RANK`` when CUDA is present (made current), else the CPU; torch's thread count."""
     use_cuda = torch.cuda.is_available()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=pg_timeout())
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    return device, dist.get_rank(), dist.get_world_size()
+    return device
+
+
+def _backend(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def _watch_agent(agent_pid: int) -> None:
+    """In in-process mode the worker outlives torchrun but never its agent (no orphans)."""
+    if agent_pid <= 0:
+        return
+
+    def watch() -> None:
+        while wait_for_agent(agent_pid):
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="agent-watch", daemon=True).start()
 
 
 class WorkerSession:
     """One worker's harness (see the module docstring); build it with :meth:`open`."""
 
     def __init__(self, cfg: RunConfig, run_dir: Path, device: torch.device, rank: int, world: int,
-                 group: str | None = None, checkpoints: bool = True) -> None:
+                 group: str | None = None, checkpoints: bool = True, inproc: InProcess | None = None) -> None:
         self.cfg = cfg
         self.run_dir = run_dir
         self.device, self.rank, self.world = device, rank, world
@@ -102,9 +155,18 @@ class WorkerSession:
         name, source = (f"{group}-rank{rank}", f"trainer/{group}/rank{rank}") if group else (f"rank{rank}", f"trainer/rank{rank}")
         self.events = EventLog(run_dir / "events" / f"trainer-{name}.jsonl", source)
         self.agent = WorkerContext.from_env(run_dir)
+        self.agent.rank, self.agent.world_size = rank, world  # this generation's (a spare's come from its plan)
         self.hooks = FaultHooks(run_dir, rank, self.events)
         self.scalars = ScalarLog(cfg.tensorboard, run_dir, rank)
         self.skip = skip_steps()
+        self.checkpoints = checkpoints
+        self.inproc = inproc
+        if inproc is not None:
+            inproc.events = self.events
+            inproc.register(rank)
+            if inproc.pusher is not None:
+                inproc.pusher.events = self.events
+                inproc.pusher.kill_during = lambda step: self.hooks.snapshot_kill(step)
         self.ckpt = self._checkpoints() if checkpoints else None
         self._sync = torch.zeros(1, device=device)
         self._t0 = 0.0
@@ -113,8 +175,18 @@ class WorkerSession:
     @classmethod
     @contextmanager
     def open(cls, cfg: RunConfig, run_dir: Path, **kwargs: Any) -> Iterator[WorkerSession]:
-        device, rank, world = init_process()
-        session = cls(cfg, run_dir, device, rank, world, **kwargs)
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        inproc = InProcess.from_env(local_rank, EventLog(None, "inprocess"))
+        if inproc is not None and inproc.joining:
+            # A warm spare taking a dead worker's slot: no torchrun world to join, the next generation.
+            device = init_device()
+            plan = inproc.reform(_backend(device), pg_timeout())
+            rank, world = inproc.rank, plan.world
+        else:
+            device, rank, world = init_process()
+        if inproc is not None:
+            _watch_agent(int(inproc.env.agent_pid or 0))
+        session = cls(cfg, run_dir, device, rank, world, inproc=inproc, **kwargs)
         try:
             yield session
         finally:
@@ -147,6 +219,8 @@ class WorkerSession:
     def begin_step(self, step: int) -> None:
         """Start timing ``step`` and fire its step faults (straggle, hang, crash)."""
         self._t0 = time.monotonic()
+        if self.inproc is not None:
+            self.inproc.before_collectives()
         self.hooks.before_step(step)
 
     def sync_point(self) -> None:
@@ -174,7 +248,7 @@ class WorkerSession:
         step_time = self.step_time()
         busy = step_time - self._wait
         self.events.emit("trainer.step", step=step, loss=loss, step_time=step_time, busy_time=busy, **fields)
-        self.agent.report_step(step, loss, step_time, busy)
+        self.agent.report_step(step, loss, step_time, busy, gen=self.inproc.gen if self.inproc else 0)
         self.scalars.step(step, loss, step_time, **(scalars or {}))
         return step_time
 
@@ -182,6 +256,71 @@ class WorkerSession:
         """Save on the checkpoint interval and at the last step (commits in the background)."""
         if self.ckpt is not None and (self.ckpt.should_save(step) or step == last):
             self.ckpt.save(step, state, extra=extra)
+
+    # -- the loop ---------------------------------------------------------------------------
+    def train(self, build: Callable[[WorkerSession], Trainable]) -> str:
+        """Build the trainer for this world, resume, run every step (saving and snapshotting after
+        each), and re-form in-process when a peer is lost; returns the final checksum."""
+        run = build(self)
+        step = self._resume(run)
+        while step < run.last_step:
+            try:
+                run.step(step + 1)
+                step += 1
+                self._after_step(step, run)
+            except Exception as exc:  # only a lost peer is handled here; everything else re-raises
+                if self.inproc is None or not is_peer_failure(exc):
+                    raise
+                run, step = self._recover(build, step + 1, exc)
+        return self.finish(run.model, run.last_step, **run.done_fields())
+
+    def _resume(self, run: Trainable) -> int:
+        if self.inproc is not None and self.inproc.joining:
+            return self._restore_snapshots(run, time.monotonic(), start_event=True)
+        loaded = self.resume(run.state())
+        start = loaded[0] if loaded else 0
+        self.emit_start(start, resumed=loaded is not None, **run.resumed(start, loaded[1] if loaded else None))
+        return start
+
+    def _after_step(self, step: int, run: Trainable) -> None:
+        extra = run.extra()
+        if self.inproc is not None:
+            self.inproc.snapshot(step, run.state(), extra, self.world)
+        self.maybe_save(step, run.last_step, run.state(), extra=extra or None)
+
+    def _recover(self, build: Callable[[WorkerSession], Trainable], step: int, exc: BaseException
+                 ) -> tuple[Trainable, int]:
+        """A peer was lost during ``step``: re-form the world in-process and restore from memory."""
+        assert self.inproc is not None
+        t0 = time.monotonic()
+        error = " ".join(str(exc).split())[:300]
+        self.events.emit("trainer.peer_lost", step=step, gen=self.inproc.gen, error=error)
+        self.agent.report_fault(step, self.inproc.gen, error)
+        try:
+            if self.ckpt is not None:
+                self.ckpt.close()  # the save in flight fails with the lost peer; committed ones stay
+                self.ckpt = None
+            plan = self.inproc.reform(_backend(self.device), pg_timeout())
+            self.rank, self.world, self.hooks.rank = self.inproc.rank, plan.world, self.inproc.rank
+            self.agent.rank, self.agent.world_size = self.rank, self.world
+            self._sync = torch.zeros(1, device=self.device)
+            self.ckpt = self._checkpoints() if self.checkpoints else None
+            run = build(self)
+            return run, self._restore_snapshots(run, t0)
+        except Exception as err:  # any failure on this path: fall back to a full restart from disk
+            self.events.emit("trainer.recovery_failed", step=step, error=f"{type(err).__name__}: {err}"[:500])
+            raise RecoveryFailed(f"{type(err).__name__}: {err}") from err
+
+    def _restore_snapshots(self, run: Trainable, t0: float, start_event: bool = False) -> int:
+        assert self.inproc is not None
+        step, extra, source = self.inproc.restore(run.state())
+        fields = run.resumed(step, extra or None)
+        if start_event:
+            self.emit_start(step, resumed=True, loaded_from=source, gen=self.inproc.gen, **fields)
+        self.events.emit("trainer.recovered", path="inprocess", gen=self.inproc.gen, step=step, rank=self.rank,
+                         world_size=self.world, loaded_from=source, recover_s=round(time.monotonic() - t0, 3))
+        self.agent.report_recovered(step, self.inproc.gen, self.world, source)
+        return step
 
     # -- end ----------------------------------------------------------------------------
     def finish(self, model: nn.Module, step: int, **fields: Any) -> str:
@@ -198,6 +337,8 @@ class WorkerSession:
 
     def close(self) -> None:
         """Teardown on every exit path (idempotent)."""
+        if self.inproc is not None:
+            self.inproc.before_collectives()  # the last snapshot push finishes (or fails) first
         if self.ckpt is not None:
             self.ckpt.close()
         self.scalars.close()

@@ -1,0 +1,141 @@
+"""The client side of the agent's memory store (:mod:`elastic.checkpoint.memstate`).
+
+A worker talks to its own node's agent over loopback; an agent talks to its buddy node's agent
+(``peer=True``) to replicate snapshots.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+
+from elastic.checkpoint.memstate import (
+    Chunk,
+    EntryMeta,
+    MemStateCorrupt,
+    MemStateRejected,
+    MemStateUnavailable,
+    SnapMeta,
+    _read_exact,
+    _read_line,
+    _send,
+    sha256_bytes,
+)
+from elastic.common.env import MEMSTATE_ADDR_ENV, MEMSTATE_TOKEN_ENV
+
+
+def _request(sock: socket.socket, header: dict, *chunks: Chunk) -> dict:
+    """Send a request and read the reply header.  A server that refuses an upload answers before
+    reading its body and closes: the rest of the send then fails, but the answer is there to read."""
+    try:
+        _send(sock, header, *chunks)
+    except (BrokenPipeError, ConnectionResetError) as exc:
+        try:
+            return _read_line(sock)
+        except (OSError, ValueError, ConnectionError):
+            raise exc from None
+    return _read_line(sock)
+
+
+class MemStateClient:
+    """The worker side: push and fetch one slot's entry."""
+
+    def __init__(self, addr: str, token: str, timeout_s: float = 60.0, peer: bool = False) -> None:
+        host, _, port = addr.rpartition(":")
+        if not peer and host not in ("127.0.0.1", "localhost"):
+            raise ValueError(f"{MEMSTATE_ADDR_ENV}: a worker's cache is its own node's, got host {host!r}")
+        self.addr = (host if peer else "127.0.0.1", int(port))
+        self.token = token
+        self.timeout_s = timeout_s
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str], timeout_s: float = 60.0) -> MemStateClient | None:
+        addr = environ.get(MEMSTATE_ADDR_ENV, "").strip()
+        if not addr:
+            return None
+        return cls(addr, environ.get(MEMSTATE_TOKEN_ENV, ""), timeout_s)
+
+    def _connect(self) -> socket.socket:
+        try:
+            return socket.create_connection(self.addr, timeout=self.timeout_s)
+        except OSError as exc:
+            raise MemStateUnavailable(f"cannot reach the agent's cache at {self.addr[0]}:{self.addr[1]}: {exc}") from exc
+
+    def put(self, meta: EntryMeta, *chunks: Chunk) -> None:
+        """Store the concatenation of ``chunks`` (sent as they are: no joined copy) as the slot's entry."""
+        with self._connect() as sock:
+            try:
+                reply = _request(sock, {"op": "put", "token": self.token, "meta": meta.to_json()}, *chunks)
+            except (OSError, ValueError, ConnectionError) as exc:
+                raise MemStateUnavailable(f"push failed: {exc}") from exc
+        if not reply.get("ok"):
+            raise MemStateRejected(str(reply.get("error")))
+
+    def get(self, slot: int) -> tuple[EntryMeta, bytearray] | None:
+        """The slot's entry (its sha256 verified), or None when the slot is empty."""
+        with self._connect() as sock:
+            try:
+                _send(sock, {"op": "get", "token": self.token, "slot": slot})
+                reply = _read_line(sock)
+                if not reply.get("ok"):
+                    if reply.get("miss"):
+                        return None
+                    raise MemStateRejected(str(reply.get("error")))
+                meta = EntryMeta.from_json(reply["meta"])
+                data = _read_exact(sock, meta.nbytes)
+            except (OSError, ValueError, ConnectionError) as exc:
+                raise MemStateUnavailable(f"fetch failed: {exc}") from exc
+        if sha256_bytes(data) != meta.sha256:
+            raise MemStateCorrupt(f"slot {slot}: cached bytes do not match their sha256")
+        return meta, data
+
+    def snap_put(self, meta: SnapMeta, *chunks: Chunk, replica: bool = False) -> None:
+        with self._connect() as sock:
+            try:
+                reply = _request(sock, {"op": "snap_put", "token": self.token, "meta": meta.to_json(),
+                                        "replica": replica}, *chunks)
+            except (OSError, ValueError, ConnectionError) as exc:
+                raise MemStateUnavailable(f"snapshot push failed: {exc}") from exc
+        if not reply.get("ok"):
+            raise MemStateRejected(str(reply.get("error")))
+
+    def snap_put_torn(self, meta: SnapMeta, chunks: list[Chunk]) -> None:
+        """Fault injection: send half of a snapshot, then die (SIGKILL) with the upload torn."""
+        data = b"".join(bytes(c) for c in chunks)
+        sock = self._connect()
+        _send(sock, {"op": "snap_put", "token": self.token, "meta": meta.to_json()}, data[: len(data) // 2])
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def snap_get(self, node: str, slot: int, step: int | None = None) -> tuple[SnapMeta, bytearray] | None:
+        with self._connect() as sock:
+            try:
+                _send(sock, {"op": "snap_get", "token": self.token, "node": node, "slot": slot, "step": step})
+                reply = _read_line(sock)
+                if not reply.get("ok"):
+                    if reply.get("miss"):
+                        return None
+                    raise MemStateRejected(str(reply.get("error")))
+                meta = SnapMeta.from_json(reply["meta"])
+                data = _read_exact(sock, meta.nbytes)
+            except (OSError, ValueError, ConnectionError) as exc:
+                raise MemStateUnavailable(f"snapshot fetch failed: {exc}") from exc
+        if sha256_bytes(data) != meta.sha256:
+            raise MemStateCorrupt(f"snapshot {node}/{slot}: bytes do not match their sha256")
+        return meta, data
+
+    def snap_list(self) -> list[SnapMeta]:
+        with self._connect() as sock:
+            try:
+                _send(sock, {"op": "snap_list", "token": self.token})
+                return [SnapMeta.from_json(m) for m in _read_line(sock).get("metas", [])]
+            except (OSError, ValueError, ConnectionError) as exc:
+                raise MemStateUnavailable(f"snapshot list failed: {exc}") from exc
+
+    def drop(self, slot: int) -> bool:
+        with self._connect() as sock:
+            try:
+                _send(sock, {"op": "drop", "token": self.token, "slot": slot})
+                return bool(_read_line(sock).get("dropped"))
+            except (OSError, ValueError, ConnectionError) as exc:
+                raise MemStateUnavailable(f"drop failed: {exc}") from exc

@@ -1,0 +1,226 @@
+"""Per-step memory snapshots: the first checkpoint tier, for in-process recovery.
+
+After every optimizer step each rank copies the local view of its state (each DTensor's local
+shard, with the global shape beside it; plain values as they are) into host memory:
+:func:`capture`.  The copy is kept in-process (the last two steps, :class:`SnapshotRing`) and
+pushed, serialized, to the node agent's store, which replicates it synchronously to a buddy
+node's agent (:mod:`elastic.checkpoint.memstate`).  The push runs on a background thread and
+must be done before the next step's first collective (:meth:`SnapshotPusher.wait`): then any rank
+that completed step s has every peer's step s-1 or later stored off-process, so a lost worker or
+a lost node costs at most one step.
+
+Restoring into a freshly built model (:func:`restore`):
+
+* same world, same ranks: each rank copies its own local shards back (bitwise);
+* a different world (a node lost or added): the old ranks' shards of each tensor are joined along
+  dim 0 into the full tensor (FSDP2 shards every parameter and optimizer state ``Shard(0)`` with
+  ``torch.chunk`` semantics), and each new rank takes its ``torch.chunk`` of it.
+
+Values that are not sharded (step counters, the sampler position, RNG state, guard history) are
+the same on every rank and come from the first old rank.
+"""
+
+from __future__ import annotations
+
+import io
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.tensor import DTensor, Shard
+
+from elastic.checkpoint.memclient import MemStateClient
+from elastic.checkpoint.memory import as_state_dicts, decode_state, encode_state
+from elastic.checkpoint.memstate import MemStateError, SnapMeta, sha256_chunks
+from elastic.common.events import EventLog
+
+SHARD = "__shard__"
+"""A sharded tensor in a snapshot: ``{SHARD: local tensor, "shape": global shape}``."""
+
+
+class SnapshotError(RuntimeError):
+    """A snapshot cannot be taken or restored (the caller falls back to a disk checkpoint)."""
+
+
+@dataclass
+class Snapshot:
+    step: int
+    gen: int
+    rank: int
+    world: int
+    tree: dict[str, Any]
+    extra: bytes = b""
+
+
+def _capture(tree: Any) -> Any:
+    if isinstance(tree, DTensor):
+        if any(not isinstance(p, Shard) or p.dim != 0 for p in tree.placements):
+            raise SnapshotError(f"cannot snapshot a DTensor placed {tree.placements} (only Shard(0))")
+        return {SHARD: tree._local_tensor.detach().clone(), "shape": list(tree.shape)}
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().clone()
+    if isinstance(tree, Mapping):
+        return {key: _capture(value) for key, value in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_capture(value) for value in tree)
+    return tree
+
+
+def capture(state: Mapping[str, Any], step: int, gen: int, rank: int, world: int,
+            extra: dict[str, Any] | None = None) -> Snapshot:
+    """A copy of this rank's state after ``step`` (its local shards): cheap memcpy on the training thread."""
+    blob = b""
+    if extra:
+        buf = io.BytesIO()
+        torch.save(extra, buf)
+        blob = buf.getvalue()
+    return Snapshot(step, gen, rank, world, _capture(as_state_dicts(state)), blob)
+
+
+def extra_of(snapshot: Snapshot) -> dict[str, Any]:
+    return torch.load(io.BytesIO(snapshot.extra), weights_only=True) if snapshot.extra else {}
+
+
+class SnapshotRing:
+    """This rank's newest snapshots in-process (two: see the module docstring)."""
+
+    def __init__(self, depth: int = 2) -> None:
+        self.depth = depth
+        self._items: list[Snapshot] = []
+
+    def add(self, snapshot: Snapshot) -> None:
+        self._items = [s for s in self._items if s.step != snapshot.step][-(self.depth - 1):] + [snapshot]
+
+    def get(self, step: int) -> Snapshot | None:
+        return next((s for s in self._items if s.step == step), None)
+
+    def newest(self) -> Snapshot | None:
+        return self._items[-1] if self._items else None
+
+    def clear(self) -> None:
+        self._items = []
+
+
+def to_bytes(snapshot: Snapshot) -> list[memoryview | bytes]:
+    return encode_state(snapshot.tree, snapshot.extra)
+
+
+def from_bytes(meta: SnapMeta, data: bytearray) -> Snapshot:
+    tree, extra = decode_state(data)
+    return Snapshot(meta.step, meta.gen, meta.rank, meta.world_size, tree, extra)
+
+
+class SnapshotPusher:
+    """Pushes each snapshot to the node agent on a background thread (one in flight at a time)."""
+
+    def __init__(self, client: MemStateClient, node: str, slot: int, epoch: int, events: EventLog,
+                 kill_during: Callable[[int], bool] = lambda step: False) -> None:
+        self.client = client
+        self.kill_during = kill_during  # fault injection: die with a torn upload (elastic.worker.faults)
+        self.node, self.slot, self.epoch = node, slot, epoch
+        self.events = events
+        self._thread: threading.Thread | None = None
+        self.last_pushed: int | None = None
+        self.failures = 0
+
+    def push(self, snapshot: Snapshot) -> None:
+        self.wait()
+        self._thread = threading.Thread(target=self._push, args=(snapshot,), name="snapshot-push", daemon=True)
+        self._thread.start()
+
+    def wait(self) -> None:
+        """Block until the snapshot in flight is stored by the agent (and its buddy), or failed."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def _push(self, snapshot: Snapshot) -> None:
+        t0 = time.monotonic()
+        try:
+            chunks = to_bytes(snapshot)
+            sha, nbytes = sha256_chunks(chunks)
+            meta = SnapMeta(node=self.node, slot=self.slot, rank=snapshot.rank, world_size=snapshot.world,
+                            epoch=self.epoch, gen=snapshot.gen, step=snapshot.step, sha256=sha, nbytes=nbytes)
+            if self.kill_during(snapshot.step):
+                self.client.snap_put_torn(meta, chunks)  # never returns
+            self.client.snap_put(meta, *chunks)
+        except (MemStateError, OSError, RuntimeError, ValueError) as exc:
+            self.failures += 1
+            self.events.emit("snapshot.push_failed", step=snapshot.step, error=f"{type(exc).__name__}: {exc}"[:300])
+            return
+        self.last_pushed = snapshot.step
+        if snapshot.step % 50 == 0 or self.failures:
+            self.events.emit("snapshot.pushed", step=snapshot.step, bytes=nbytes, push_s=round(time.monotonic() - t0, 6))
+
+
+# -- restore ---------------------------------------------------------------------------------------
+def _is_shard(value: Any) -> bool:
+    return isinstance(value, dict) and SHARD in value
+
+
+def _full(values: list[Any]) -> Any:
+    """The full value from the old ranks' values (shards joined along dim 0; others: the first)."""
+    first = values[0]
+    if _is_shard(first):
+        full = torch.cat([v[SHARD] for v in values], dim=0)
+        if list(full.shape) != list(first["shape"]):
+            raise SnapshotError(f"shards join to {list(full.shape)}, expected {first['shape']}")
+        return full
+    if isinstance(first, Mapping):
+        return {key: _full([v[key] for v in values]) for key in first}
+    if isinstance(first, (list, tuple)):
+        return type(first)(_full([v[i] for v in values]) for i in range(len(first)))
+    return first
+
+
+def _local_value(saved: Any, target: Any, rank: int, world: int) -> Any:
+    """What ``target`` (a leaf of the new state) gets from ``saved`` (a leaf of the old state)."""
+    if isinstance(target, DTensor):
+        full = saved[SHARD] if _is_shard(saved) else saved
+        if _is_shard(saved) and list(full.shape) != list(target.shape):  # own shard, same layout
+            return full
+        chunks = torch.chunk(full, world, dim=0)
+        return chunks[rank] if rank < len(chunks) else full[0:0]
+    return saved[SHARD] if _is_shard(saved) else saved
+
+
+def _write(target: Any, saved: Any, rank: int, world: int, path: str = "") -> Any:
+    if isinstance(target, torch.Tensor):
+        value = _local_value(saved, target, rank, world)
+        local = target._local_tensor if isinstance(target, DTensor) else target
+        if not isinstance(value, torch.Tensor) or value.shape != local.shape or value.dtype != local.dtype:
+            raise SnapshotError(f"{path}: snapshot holds {getattr(value, 'shape', type(value).__name__)}, "
+                                f"the model needs {tuple(local.shape)} {local.dtype}")
+        with torch.no_grad():
+            local.copy_(value)
+        return target
+    if isinstance(target, dict):
+        if not isinstance(saved, Mapping) or set(saved) != set(target):
+            raise SnapshotError(f"{path or '/'}: keys differ from the snapshot")
+        for key in list(target):
+            target[key] = _write(target[key], saved[key], rank, world, f"{path}/{key}")
+        return target
+    if isinstance(target, (list, tuple)):
+        values = [_write(t, s, rank, world, f"{path}[{i}]") for i, (t, s) in enumerate(zip(target, saved))]
+        return values if isinstance(target, list) else type(target)(values)
+    return saved[SHARD] if _is_shard(saved) else saved
+
+
+def restore(state: dict[str, Any], snapshots: list[Snapshot], rank: int, world: int) -> None:
+    """Load ``snapshots`` into a freshly built ``state``.
+
+    ``snapshots``: this rank's own snapshot when the world kept its ranks (one item), else every old
+    rank's snapshot of the same step in old-rank order (the full tensors are rebuilt from them).
+    """
+    tree = snapshots[0].tree if len(snapshots) == 1 else _full([s.tree for s in snapshots])
+    targets = as_state_dicts(state)
+    for key in sorted(state):
+        value = _write(targets[key], tree[key], rank, world, key)
+        if isinstance(state[key], Stateful):
+            state[key].load_state_dict(value)
+        else:
+            state[key] = value

@@ -1,0 +1,284 @@
+"""In-process recovery on the worker side: survive a lost peer without a new process.
+
+When a collective fails because a peer went away (:func:`is_peer_failure`), a worker does not
+exit.  It tears down its process groups, joins the next generation of the world through etcd
+(:mod:`elastic.control.generations`), opens new process groups on a store served by the new rank
+0, rebuilds its model wrapping for the new world (the trainer's build function) and restores its
+state from the per-step memory snapshots (:mod:`elastic.checkpoint.snapshot`): its own from its
+own memory, a replaced worker's from the node agent's store, a lost node's from its buddy's.  No
+process starts except the warm spare that takes a dead worker's slot; nobody re-imports torch.
+
+The restore is collective and all-or-nothing: the ranks agree on the newest step every old rank
+can provide (at most one step behind the newest one trained); if some old rank's shard of that
+step is nowhere to be found, every rank raises :class:`RecoveryUnavailable` and the agents fall
+back to a full restart from the disk checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from elastic.checkpoint.memclient import MemStateClient
+from elastic.checkpoint.memstate import MemStateError
+from elastic.checkpoint.snapshot import (
+    Snapshot,
+    SnapshotError,
+    SnapshotPusher,
+    SnapshotRing,
+    capture,
+    extra_of,
+    from_bytes,
+    restore,
+)
+from elastic.common.env import WorkerEnv
+from elastic.common.events import EventLog
+from elastic.common.peers import is_peer_lost
+from elastic.control.generations import Generations, Plan, Slot
+from elastic.control.keys import RunKeys
+from elastic.control.store import EtcdStore, StoreError
+
+EXIT_RECOVERY_FAILED = 86
+"""A worker leaves with this code when the in-process path cannot continue (the agent restarts the epoch)."""
+
+
+class RecoveryUnavailable(RuntimeError):
+    """In-process recovery cannot proceed; the run falls back to a restart from disk."""
+
+
+def is_peer_failure(exc: BaseException) -> bool:
+    """A collective error caused by another rank going away (gloo/NCCL texts), not a bug here."""
+    seen = 0
+    while exc is not None and seen < 8:
+        if isinstance(exc, (RuntimeError, OSError)) and is_peer_lost(str(exc)):
+            return True
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return False
+
+
+class InProcess:
+    """One worker's part in in-process recovery: snapshots, generations, re-formation."""
+
+    def __init__(self, env: WorkerEnv, local_rank: int, events: EventLog) -> None:
+        self.env = env
+        self.events = events
+        self.slot = Slot(env.node_id, local_rank)
+        self.epoch = int(env.epoch or 0)
+        self.join_timeout_s = float(env.inprocess)
+        self.gens = Generations(EtcdStore(env.etcd_endpoint, request_timeout=2.0, retry_deadline=10.0),
+                                RunKeys(env.run_prefix), self.epoch)
+        self.client = MemStateClient(env.memstate_addr, env.memstate_token, 30.0) if env.memstate_addr else None
+        self.ring = SnapshotRing()
+        self.pusher = SnapshotPusher(self.client, env.node_id, local_rank, self.epoch, events) if self.client else None
+        self.gen = int(env.join_gen) if env.join_gen else 0
+        self.rank = -1
+        self.plan: Plan | None = None
+
+    @classmethod
+    def from_env(cls, local_rank: int, events: EventLog) -> InProcess | None:
+        env = WorkerEnv.from_env()
+        if not (env.inprocess and env.etcd_endpoint and env.run_prefix and env.node_id):
+            return None
+        return cls(env, local_rank, events)
+
+    @property
+    def joining(self) -> bool:
+        """This process is a spare taking over a dead worker's slot (it joins a generation directly)."""
+        return bool(self.env.join_gen)
+
+    # -- every step ------------------------------------------------------------------
+    def register(self, rank: int) -> None:
+        self.rank = rank
+        if self.gen == 0:
+            self.gens.register(self.slot, rank)
+
+    def snapshot(self, step: int, state: dict[str, Any], extra: dict[str, Any], world: int) -> None:
+        snap = capture(state, step, self.gen, self.rank, world, extra)
+        self.ring.add(snap)
+        if self.pusher is not None:
+            self.pusher.push(snap)
+
+    def before_collectives(self) -> None:
+        """The previous step's snapshot must be off-process before this step's first collective."""
+        if self.pusher is not None:
+            self.pusher.wait()
+
+    # -- a fault ---------------------------------------------------------------------------
+    def reform(self, backend: str, pg_timeout: timedelta) -> Plan:
+        """Leave the failed generation and form the next one; returns its plan (process groups are up)."""
+        previous = self.gens.ranks(self.gen)
+        if self.pusher is not None:
+            self.pusher.wait()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        target = self.gen + (0 if self.joining and self.plan is None else 1)
+        newest = self.ring.newest()
+        self.gens.join(target, self.slot, pid=os.getpid(), old_rank=self.rank,
+                       snapshot_step=newest.step if newest else None)
+        plan = self.gens.wait_plan(target, self._previous(target, previous), self.join_timeout_s)
+        self._init_group(plan, backend, pg_timeout)
+        self.gen, self.plan = plan.gen, plan
+        return plan
+
+    def _previous(self, target: int, known: dict[Slot, int]) -> dict[Slot, int]:
+        return known if target == self.gen + 1 and known else self.gens.ranks(target - 1)
+
+    def _init_group(self, plan: Plan, backend: str, pg_timeout: timedelta) -> None:
+        member = plan.member(self.slot)
+        if member is None:
+            raise RecoveryUnavailable(f"slot {self.slot.key()} is not in generation {plan.gen}")
+        self.rank = member.rank
+        store = self._store(plan, member.rank)
+        dist.init_process_group(backend, store=store, rank=member.rank, world_size=plan.world, timeout=pg_timeout)
+
+    def _store(self, plan: Plan, rank: int) -> dist.Store:
+        """The generation's c10d store, served by its rank 0 (address published in etcd)."""
+        key = self.gens.keys.gen_store(self.epoch, plan.gen)
+        if rank == 0:
+            store = dist.TCPStore(self.env.local_addr or "127.0.0.1", 0, plan.world, True,
+                                  timedelta(seconds=self.join_timeout_s), wait_for_workers=False)
+            self.gens.store.put(key, f"{self.env.local_addr or '127.0.0.1'}:{store.port}")
+            return store
+        kv = self.gens.store.wait_for_key(key, self.join_timeout_s)
+        host, _, port = kv.value.decode().rpartition(":")
+        return dist.TCPStore(host, int(port), plan.world, False, timedelta(seconds=self.join_timeout_s))
+
+    # -- restore ------------------------------------------------------------------------------
+    def restore(self, state: dict[str, Any]) -> tuple[int, dict[str, Any], str]:
+        """Collective over the new generation: load the agreed step into ``state``.
+
+        Returns (step, this rank's per-rank extra or {} when the world changed, where it came from).
+        """
+        assert self.plan is not None
+        old_world = sorted(self.gens.ranks(self.plan.gen - 1).values())
+        step = _agree(_holdings(_all_gather(self._offers())), old_world)
+        if self.plan.keeps_ranks(len(old_world)):
+            snap, source = self._own(step)
+            _fail_together(snap is None, f"rank {self.rank}: no snapshot of step {step}")
+            assert snap is not None
+            restore(state, [snap], self.rank, self.plan.world)
+            return step, extra_of(snap), source
+        restore(state, self._exchange(step, old_world), self.rank, self.plan.world)
+        return step, {}, "memory, resharded"
+
+    def _own(self, step: int) -> tuple[Snapshot | None, str]:
+        snap = self.ring.get(step)
+        if snap is not None and snap.rank == self._old_rank():
+            return snap, "own memory"
+        fetched = self._fetch(self.slot, step)
+        return fetched, "agent memory"
+
+    def _old_rank(self) -> int:
+        assert self.plan is not None
+        member = self.plan.member(self.slot)
+        return member.old_rank if member is not None else -1
+
+    def _offers(self) -> dict[int, list[int]]:
+        """old rank -> snapshot steps this rank can provide (its own, and what its agent holds for lost slots)."""
+        offers: dict[int, list[int]] = {}
+        own = self._old_rank()
+        steps = [s.step for s in self.ring._items if s.rank == own]
+        if not steps and self.client is not None:
+            steps = [m.step for m in self._agent_metas() if (m.node, m.slot) == (self.slot.node, self.slot.local_rank)
+                     and m.rank == own and m.epoch == self.epoch]
+        offers[own] = sorted(set(steps))
+        for meta in self._agent_metas():
+            if meta.node in self._lost_nodes() and meta.epoch == self.epoch:
+                offers.setdefault(meta.rank, [])
+                offers[meta.rank] = sorted(set(offers[meta.rank]) | {meta.step})
+        return offers
+
+    def _lost_nodes(self) -> set[str]:
+        assert self.plan is not None
+        return self.gens.lost(self.plan.gen)
+
+    def _agent_metas(self) -> list:
+        if self.client is None:
+            return []
+        try:
+            return self.client.snap_list()
+        except MemStateError:
+            return []
+
+    def _fetch(self, slot: Slot, step: int) -> Snapshot | None:
+        if self.client is None:
+            return None
+        try:
+            got = self.client.snap_get(slot.node, slot.local_rank, step)
+        except MemStateError as exc:
+            self.events.emit("recovery.fetch_failed", slot=slot.key(), step=step, error=str(exc)[:300])
+            return None
+        return from_bytes(*got) if got is not None else None
+
+    def _exchange(self, step: int, expected: list[int]) -> list[Snapshot]:
+        """Every old rank's snapshot of ``step``: each rank contributes what it holds, all get all."""
+        mine: dict[int, Snapshot] = {}
+        own, _ = self._own(step)
+        if own is not None:
+            mine[own.rank] = own
+        for meta in self._agent_metas():
+            if meta.node in self._lost_nodes() and meta.step == step and meta.rank not in mine:
+                fetched = self._fetch(Slot(meta.node, meta.slot), step)
+                if fetched is not None:
+                    mine[meta.rank] = fetched
+        everyone = _all_gather(mine)
+        merged: dict[int, Snapshot] = {}
+        for part in everyone:
+            merged.update(part)
+        missing = sorted(set(expected) - set(merged))
+        _fail_together(bool(missing), f"no snapshot of step {step} for old ranks {missing}")
+        return [merged[r] for r in expected]
+
+
+def _all_gather(obj: Any) -> list[Any]:
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _holdings(gathered: list[dict[int, list[int]]]) -> dict[int, set[int]]:
+    held: dict[int, set[int]] = {}
+    for offers in gathered:
+        for old_rank, steps in offers.items():
+            held.setdefault(int(old_rank), set()).update(steps)
+    return held
+
+
+def _agree(held: dict[int, set[int]], expected: list[int]) -> int:
+    """The newest step every expected old rank can provide; raises RecoveryUnavailable when none."""
+    common: set[int] | None = None
+    for rank in expected or sorted(held):
+        steps = held.get(rank, set())
+        common = steps if common is None else common & steps
+    if not common:
+        missing = [r for r in expected if not held.get(r)]
+        raise RecoveryUnavailable(f"no snapshot step is held for every old rank (missing ranks {missing}, "
+                                  f"held {dict(sorted((r, sorted(s)) for r, s in held.items()))})")
+    return max(common)
+
+
+def _fail_together(failed: bool, reason: str) -> None:
+    """Collective: if any rank failed, every rank raises (nobody trains on a half-restored state)."""
+    flag = torch.tensor([1 if failed else 0])
+    dist.all_reduce(flag)
+    if int(flag.item()):
+        raise RecoveryUnavailable(reason if failed else "another rank could not restore its snapshot")
+
+
+def wait_for_agent(agent_pid: int) -> bool:
+    """True while the agent process lives (in-process mode workers outlive torchrun, not their agent)."""
+    try:
+        os.kill(agent_pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+__all__ = ["EXIT_RECOVERY_FAILED", "InProcess", "RecoveryUnavailable", "SnapshotError", "StoreError",
+           "is_peer_failure", "wait_for_agent"]

@@ -1,0 +1,51 @@
+"""A warm spare: a worker process with torch and the trainer imported, waiting to take a dead worker's slot.
+
+    python -m elastic.worker.spare -m trainer.dit_train --config FILE --run-dir DIR
+
+The node agent starts one per node once training runs.  It imports torch and the trainer module
+(what costs seconds at a cold start), then blocks on a line of JSON on stdin: the environment of
+the slot it takes (``LOCAL_RANK``, the agent's ``ELASTIC_*`` variables, ``ELASTIC_JOIN_GEN``: the
+generation to join).  It then runs the trainer's ``main`` exactly as torchrun would, and the
+worker session joins the world in-process (:mod:`elastic.worker.inprocess`).  End of input
+without an assignment means the agent no longer needs it: it exits 0.
+
+The module name comes from the command line, so the runtime does not import any trainer by name.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import signal
+import sys
+import time
+
+from elastic.common.procs import set_parent_death_signal
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if len(args) < 2 or args[0] != "-m":
+        print("usage: python -m elastic.worker.spare -m MODULE [trainer args...]", file=sys.stderr)
+        return 2
+    # The spare is the agent's child: it goes when the agent goes.
+    set_parent_death_signal(signal.SIGKILL)
+    t0 = time.monotonic()
+    import torch  # noqa: F401  (the point of a warm spare: this import is already paid when it is needed)
+
+    module = importlib.import_module(args[1])
+    print(json.dumps({"spare": "ready", "pid": os.getpid(), "import_s": round(time.monotonic() - t0, 3)}),
+          flush=True)
+    line = sys.stdin.readline()
+    if not line.strip():
+        return 0
+    assignment = json.loads(line)
+    os.environ.update({str(k): str(v) for k, v in assignment["env"].items()})
+    print(json.dumps({"spare": "assigned", "slot": assignment.get("slot"), "gen": assignment["env"].get("ELASTIC_JOIN_GEN"),
+                      "wait_s": round(time.monotonic() - t0, 3)}), flush=True)
+    return int(module.main(args[2:]) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

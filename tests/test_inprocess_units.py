@@ -1,0 +1,134 @@
+"""In-process recovery, the parts that need no processes: generation rounds on the in-memory store,
+snapshot capture/restore (same world and resharded), the agents' buddy ring, peer-loss detection."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+import torch
+
+from elastic.agent.inprocess import ring_successor
+from elastic.checkpoint.snapshot import SHARD, Snapshot, SnapshotRing, _full, capture, restore
+from elastic.control.generations import GenerationFailed, Generations, Plan, Slot, plan_next
+from elastic.control.keys import RunKeys
+from elastic.control.memstore import MemoryStore
+from elastic.worker.inprocess import RecoveryUnavailable, _agree, is_peer_failure
+
+KEYS = RunKeys.of("/elastic", "ip")
+
+
+def _registered(store: MemoryStore, slots: list[Slot]) -> Generations:
+    gens = Generations(store, KEYS, epoch=0)
+    for rank, slot in enumerate(slots):
+        gens.register(slot, rank)
+    return gens
+
+
+def test_plan_keeps_ranks_and_compacts_a_lost_node_in_order():
+    previous = {Slot("n0", 0): 0, Slot("n0", 1): 1, Slot("n1", 0): 2, Slot("n1", 1): 3, Slot("n2", 0): 4}
+    assert plan_next(1, previous, set(previous) - {Slot("n1", 0)}, set()) is None  # still waiting for a slot
+    same = plan_next(1, previous, set(previous), set())
+    assert same is not None and same.keeps_ranks(5) and same.member(Slot("n1", 1)).rank == 3
+    shrunk = plan_next(1, previous, set(previous), {"n1"})
+    assert [(m.slot.key(), m.rank, m.old_rank) for m in shrunk.members] == [
+        ("n0/0", 0, 0), ("n0/1", 1, 1), ("n2/0", 2, 4)]
+    assert not shrunk.keeps_ranks(5)
+    assert Plan.from_record(json.loads(shrunk.to_json())) == shrunk
+
+
+def test_round_closes_once_when_the_spare_joins_and_everyone_agrees():
+    store = MemoryStore()
+    slots = [Slot("n0", 0), Slot("n1", 0)]
+    gens = _registered(store, slots)
+    plans: list[Plan] = []
+
+    def survivor() -> None:
+        gens.join(1, slots[0], old_rank=0)
+        plans.append(gens.wait_plan(1, gens.ranks(0), timeout_s=5))
+
+    thread = threading.Thread(target=survivor)
+    thread.start()
+    gens.join(1, slots[1], old_rank=-1)  # the warm spare takes the dead worker's slot
+    plans.append(gens.wait_plan(1, gens.ranks(0), timeout_s=5))
+    thread.join(5)
+    assert len(plans) == 2 and plans[0] == plans[1] and plans[0].keeps_ranks(2)
+    assert gens.ranks(1) == {slots[0]: 0, slots[1]: 1}
+
+
+def test_a_lost_node_lets_the_round_close_without_it():
+    store = MemoryStore()
+    slots = [Slot("n0", 0), Slot("n1", 0), Slot("n2", 0)]
+    gens = _registered(store, slots)
+    gens.join(1, slots[0])
+    gens.join(1, slots[2])
+    assert gens.mark_lost(1, "n1", by="n0", reason="refused") and not gens.mark_lost(1, "n1", by="n2", reason="x")
+    plan = gens.wait_plan(1, gens.ranks(0), timeout_s=2)
+    assert plan.world == 2 and plan.member(slots[2]).rank == 1 and plan.member(slots[2]).old_rank == 2
+
+
+def test_a_round_that_cannot_complete_or_an_epoch_change_fails():
+    store = MemoryStore()
+    slots = [Slot("n0", 0), Slot("n1", 0)]
+    gens = _registered(store, slots)
+    gens.join(1, slots[0])
+    with pytest.raises(GenerationFailed, match=r"\['n1/0'\] neither joined nor were declared lost"):
+        gens.wait_plan(1, gens.ranks(0), timeout_s=0.2)
+    store.put(KEYS.epoch, "1")  # an agent fell back to a full restart
+    with pytest.raises(GenerationFailed, match="moved to epoch 1"):
+        gens.wait_plan(1, gens.ranks(0), timeout_s=2)
+
+
+def _shards(full: torch.Tensor, world: int) -> list[dict]:
+    return [{SHARD: chunk.clone(), "shape": list(full.shape)} for chunk in torch.chunk(full, world, dim=0)]
+
+
+def test_shards_of_the_old_world_join_into_the_full_tensor():
+    full = torch.arange(33 * 2, dtype=torch.float32).reshape(33, 2)
+    trees = [{"w": shard, "step": 7} for shard in _shards(full, 4)]
+    joined = _full(trees)
+    assert torch.equal(joined["w"], full) and joined["step"] == 7
+    broken = [{"w": {SHARD: t["w"][SHARD], "shape": [40, 2]}} for t in trees]
+    with pytest.raises(Exception, match="join to"):
+        _full(broken)
+
+
+def test_restore_into_a_fresh_state_same_world_and_from_other_world_sizes():
+    full = torch.randn(10, 3)
+    snap = capture({"app": {"w": full, "step": 5}}, step=5, gen=0, rank=0, world=1, extra={"seed": torch.tensor([3])})
+    target = {"app": {"w": torch.zeros(10, 3), "step": 0}}
+    restore(target, [snap], rank=0, world=1)
+    assert torch.equal(target["app"]["w"], full) and target["app"]["step"] == 5
+    assert not torch.equal(snap.tree["app"]["w"], torch.zeros(10, 3))  # the snapshot was a copy
+    ring = SnapshotRing(depth=2)
+    for step in (1, 2, 3):
+        ring.add(Snapshot(step, 0, 0, 1, {}))
+    assert ring.get(1) is None and ring.newest().step == 3 and ring.get(2) is not None
+
+
+def test_agreement_takes_the_newest_step_every_old_rank_holds():
+    assert _agree({0: {4, 5}, 1: {4}, 2: {4, 5}}, [0, 1, 2]) == 4
+    with pytest.raises(RecoveryUnavailable, match=r"missing ranks \[2\]"):
+        _agree({0: {4, 5}, 1: {4}}, [0, 1, 2])
+
+
+def test_peer_failures_are_told_from_bugs():
+    lost = RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:43406: Connection reset by peer")
+    assert is_peer_failure(lost)
+    try:
+        try:
+            raise lost
+        except RuntimeError as exc:
+            raise ValueError("wrapped") from exc
+    except ValueError as wrapped:
+        assert is_peer_failure(wrapped)
+    assert not is_peer_failure(RuntimeError("shape mismatch"))
+
+
+def test_buddy_is_the_next_live_node_of_the_ring():
+    nodes = {n: {"memstate": {"addr": f"127.0.0.1:{i}", "token": "t"}} for i, n in enumerate(["n0", "n1", "n3"])}
+    nodes["n2"] = {"state": "RUNNING"}  # no store published: not a buddy
+    assert ring_successor("n1", nodes)[0] == "n3"
+    assert ring_successor("n3", nodes)[0] == "n0"  # wraps around
+    assert ring_successor("n0", {"n0": nodes["n0"]}) is None
