@@ -53,7 +53,7 @@ def test_slurm_node_runs_burnin_then_one_agent():
     line = next(ln for ln in sbatch.splitlines() if ln.startswith("NODES="))
     nodes = subprocess.run(["bash", "-c", f"{line}; echo $NODES"], env={"SLURM_JOB_NUM_NODES": "64"},
                            capture_output=True, text=True, timeout=10).stdout.strip()
-    assert nodes == "63:64" == load_config(ROOT / "examples" / "dit-64node.yaml").launch.nodes
+    assert nodes == "63:64" == load_run_file(ROOT / "examples" / "dit-64node.yaml").launch.nodes
 
 
 def _docs(path: Path) -> list[dict]:

@@ -23,7 +23,7 @@ import pytest
 import yaml
 
 from elastic.checkpoint.config import CheckpointConfig
-from elastic.checkpoint.manager import CheckpointManager
+from elastic.checkpoint.load import CommittedCheckpoints
 from elastic.common.events import read_run_events
 from elastic.control.etcd_server import free_port
 from tests.conftest import REPO_ROOT
@@ -166,9 +166,9 @@ def test_sbatch_screens_cancels_and_resumes_under_real_slurm(slurm, tmp_path, su
     assert stopped == {f"agent/{n}" for n in NODES}
     assert max(e["step"] for e in events if e["kind"] == "trainer.step") < STEPS
     newest = _newest_commit(run_dir)
-    manager = CheckpointManager(CheckpointConfig(), run_dir / "checkpoints")
-    assert manager.committed_steps()[-1] == newest
-    manager.verify(newest)  # every file of it, by size and sha256
+    committed = CommittedCheckpoints(CheckpointConfig(), run_dir / "checkpoints")  # reads, removes nothing
+    assert committed.committed_steps()[-1] == newest
+    committed.verify(newest)  # every file of it, by size and sha256
 
     # Job 2: the same submission; n3's screen sees bad hardware and leaves with 93.
     (run_dir / "faults").mkdir()
