@@ -131,7 +131,8 @@ def _assert_all_gone(job_id: int, timeout: float) -> None:
     """Nothing of the job is left on the host: no process with its SLURM_JOB_ID, no slurmstepd of it."""
     left = wait_all_gone(set(_job_processes(job_id)), timeout)
     assert not left, {p: cmdline(p) for p in left}
-    stepds = [int(p) for p in os.listdir("/proc") if p.isdigit() and cmdline(int(p)).startswith(f"slurmstepd: [{job_id}.")]
+    stepds = [int(p) for p in os.listdir("/proc")
+              if p.isdigit() and cmdline(int(p)).startswith(f"slurmstepd: [{job_id}.")]
     assert not wait_all_gone(set(stepds), timeout)
 
 
@@ -142,6 +143,7 @@ def test_sbatch_screens_cancels_and_resumes_under_real_slurm(slurm, tmp_path, su
     # Job 1: three healthy nodes, cancelled mid-run after its second checkpoint.
     job1 = slurm.sbatch(SBATCH, *SBATCH_ARGS, f"--chdir={tmp_path}", env=env)
     _wait_event(slurm, job1, tmp_path, lambda e: e["kind"] == "trainer.step" and e["step"] >= 3, timeout=120)
+    assert slurm.job(job1)["NodeList"] == "n[1-3]"  # three Slurm nodes, one slurmd each
     procs = _job_processes(job1)
     agents = _agents(procs)
     # Every task is one agent whose node id is Slurm's node name, on its own task rank.
