@@ -43,11 +43,17 @@ def test_slurm_node_runs_burnin_then_one_agent():
     assert burnin.command == "burnin" and burnin.mode == "quick" and burnin.etcd_endpoint
     assert 'exit 93' in text and 'rc=$?' in text  # the screen's exit code decides
     args = launch_parser().parse_args(_command_line(text, "elastic-launch"))
-    assert args.nodes == "63:64" and args.etcd_endpoint and args.node_id and args.local_addr
+    assert args.nodes and args.etcd_endpoint and args.node_id and args.local_addr
+    assert '--nodes "$NODES"' in text
     assert text.index("\"$BIN/diag\" burnin") < text.index("\"$BIN/elastic-launch\"")
     sbatch = (SLURM / "dit-64node.sbatch").read_text()
     assert "#SBATCH --nodes=64" in sbatch and "#SBATCH --ntasks-per-node=1" in sbatch
     assert "srun" in sbatch and "node.sh" in sbatch
+    # The elastic range follows the allocation: 64 nodes -> 63:64, what the 64-node config allows.
+    line = next(ln for ln in sbatch.splitlines() if ln.startswith("NODES="))
+    nodes = subprocess.run(["bash", "-c", f"{line}; echo $NODES"], env={"SLURM_JOB_NUM_NODES": "64"},
+                           capture_output=True, text=True, timeout=10).stdout.strip()
+    assert nodes == "63:64" == load_run_file(ROOT / "examples" / "dit-64node.yaml").launch.nodes
 
 
 def _docs(path: Path) -> list[dict]:
