@@ -52,12 +52,15 @@ class BuddyLink:
         self.timeout_s = timeout_s
         self._buddy: tuple[str, str, str] | None = None  # (node, addr, token)
         self._checked = 0.0
+        self._failed: dict[str, float] = {}  # node -> until when it is skipped (its store did not answer)
 
     def buddy(self) -> tuple[str, str, str] | None:
         if self._buddy is None or time.monotonic() - self._checked > 5.0:
             self._checked = time.monotonic()
+            now = time.monotonic()
             try:
-                self._buddy = ring_successor(self.node_id, self.state.nodes())
+                nodes = {n: r for n, r in self.state.nodes().items() if self._failed.get(n, 0.0) < now}
+                self._buddy = ring_successor(self.node_id, nodes)
             except StoreError:
                 pass
         return self._buddy
@@ -70,7 +73,10 @@ class BuddyLink:
         try:
             MemStateClient(addr, token, self.timeout_s, peer=True).snap_put(meta, data, replica=True)
         except (MemStateError, OSError, ValueError) as exc:
-            self._buddy = None  # look again next time: the buddy may be gone
+            # The buddy may be gone: the next node of the ring takes over (its record may outlive it
+            # until its lease expires, so it is skipped for a while).
+            self._failed[node] = time.monotonic() + 30.0
+            self._buddy = None
             self.events.emit("agent.buddy_push_failed", buddy=node, step=meta.step, error=str(exc)[:300])
 
 
