@@ -42,9 +42,9 @@ from elastic.common.config import override  # noqa: E402
 T = TypeVar("T")
 
 
-def make_config(args, run_dir: Path, run_id: str, extra: dict | None = None) -> Path:
+def make_config(args, run_dir: Path, run_id: str, extra: dict | None = None, trainer: str = "mlp") -> Path:
     """The benchmark's run config; ``extra`` adds dotted overrides (e.g. replica-group mode)."""
-    cfg = load_run_file(REPO / "examples" / "mlp-tiny.yaml")
+    cfg = load_run_file(REPO / "examples" / ("tiny.yaml" if trainer == "dit" else "mlp-tiny.yaml"))
     for key, value in {
         "run.id": run_id, "run.dir": str(run_dir), "launch.nodes": str(args.nodes),
         "trainer.steps": args.steps, "trainer.step_sleep": args.step_sleep,
@@ -120,7 +120,8 @@ def run_runtime(args, work: Path, trial: int) -> dict:
 
 
 def run_c10d_nodes(args, run_id: str, config: Path, run_dir: Path, log_path: Path,
-                   inject: Callable[[list[subprocess.Popen]], T]) -> tuple[T, list[int]]:
+                   inject: Callable[[list[subprocess.Popen]], T], entry: str = "trainer.train",
+                   nnodes: str | None = None) -> tuple[T, list[int]]:
     """The baseline: one plain ``torchrun --rdzv-backend=c10d`` (its own restart loop) per node.
 
     ``inject(procs)`` waits for the fault point and injects the fault; then every node is waited
@@ -128,10 +129,10 @@ def run_c10d_nodes(args, run_id: str, config: Path, run_dir: Path, log_path: Pat
     nodes' exit codes.
     """
     port = free_port()
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={args.nodes}", "--nproc-per-node=1",
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes or args.nodes}", "--nproc-per-node=1",
            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={run_id}",
            "--rdzv-conf=last_call_timeout=1", "--max-restarts=3", "--monitor-interval=0.1",
-           "--local-addr=127.0.0.1", "-m", "trainer.train", "--config", str(config), "--run-dir", str(run_dir)]
+           "--local-addr=127.0.0.1", "-m", entry, "--config", str(config), "--run-dir", str(run_dir)]
     with open(log_path, "wb") as log:
         procs = [subprocess.Popen(cmd, env=env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
                  for _ in range(args.nodes)]

@@ -13,6 +13,7 @@ a 2-rank gloo all-reduce of 1 MiB); pass ``checks=[...]`` to run a subset.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 import socket
 import time
 from collections.abc import Iterable, Mapping
@@ -26,6 +27,7 @@ from elastic.control.keys import RunKeys
 from elastic.control.runstate import RunState
 
 MODES = ("quick", "full")
+IN_WORKER_SKIPPED = frozenset({"collective"})
 #: How long NVML is listened to for Xid events during a screen (the kernel log covers earlier ones).
 XID_WINDOW_S = {"quick": 0.1, "full": 5.0}
 
@@ -85,3 +87,25 @@ def exclude_if_failed(report: Report, store: Any, run_prefix: str, node_id: str,
     state.exclusions.add(node_id, "diag: " + "; ".join(report.failures), ttl_s=ttl_s, by="diag",
                          report=report.summary())
     return True
+
+
+def screen_in_worker(spec: Mapping[str, Any]) -> dict[str, Any]:
+    """The node screen run inside a training worker (entry point ``elastic.screens: diag``).
+
+    The worker has torch imported already, so the screen costs only its checks, and it runs while
+    the worker builds its model and joins its process group; the worker holds its first step until
+    the verdict.  ``spec`` comes from the node agent (mode, checks, thresholds, inject, etcd
+    endpoint, checkpoint dir, report path); the report is written where the agent's screen writes it.
+    """
+    # The collective check forms a process group of its own, which a worker (already in its run's
+    # group) cannot; the worker's own first collectives exercise the fabric instead.
+    checks = spec.get("checks") or [n for n in registry.all_names() if n not in IN_WORKER_SKIPPED]
+    report = run_screen(spec.get("mode", "quick"), config=spec.get("thresholds") or None,
+                        inject=spec.get("inject") or None, etcd_endpoint=spec.get("etcd_endpoint"),
+                        ckpt_dir=spec.get("ckpt_dir"), checks=[c for c in checks if c not in IN_WORKER_SKIPPED])
+    if spec.get("report"):
+        path = Path(spec["report"])
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(report.to_json())
+    return {"passed": report.verdict != "fail", "reason": "; ".join(report.failures),
+            "duration_s": round(report.duration_s, 3)}

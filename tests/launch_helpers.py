@@ -69,6 +69,8 @@ def run_pids(run_dir: Path) -> dict[str, set[int]]:
             pids["agent"].add(e["pid"])
             if e.get("torchrun_pid"):
                 pids["torchrun"].add(e["torchrun_pid"])
+            if e.get("spare_pid"):  # a warm spare (in-process recovery) is a worker process too
+                pids["trainer"].add(e["spare_pid"])
         elif source.startswith("trainer/"):
             pids["trainer"].add(e["pid"])
     for group in pids.values():
@@ -93,3 +95,24 @@ def kill_quietly(pids: set[int]) -> None:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+def kill_node(run_dir: Path, node: str) -> float:
+    """SIGKILL a simulated node at once: its agent and everything below it (workers, spare).
+
+    Returns the time of the kill (wall clock, as in the events)."""
+    from elastic.common.procs import descendants
+
+    agent = next(e["pid"] for e in read_run_events(run_dir) if e["source"] == f"agent/{node}"
+                 and e["kind"] == "agent.start")
+    tree = [agent, *descendants(agent)]
+    kill_ts = time.time()
+    kill_quietly(set(tree))
+    return kill_ts
+
+
+def worker_pid(run_dir: Path, node: str, local_rank: int = 0) -> int:
+    """The pid of a node's worker once the agent has adopted its workers (torchrun retired)."""
+    retired = next(e for e in read_run_events(run_dir) if e["source"] == f"agent/{node}"
+                   and e["kind"] == "agent.torchrun_retired")
+    return int(retired["workers"][str(local_rank)])

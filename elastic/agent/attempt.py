@@ -38,6 +38,7 @@ class Outcome(str, Enum):
     PEER_RESTART = "peer_restart"  # another node moved the run to a new epoch
     EXCLUDED = "excluded"  # this node is on the exclusion list now
     RUN_STOPPED = "run_stopped"  # the run's stop key is set
+    SCREEN_FAILED = "screen_failed"  # the first worker's screen of this node failed (it never trained)
 
 
 @dataclass

@@ -201,7 +201,7 @@ class InProcessWorkers:
         assert self.spare is not None and self.worker_env is not None and self._attempt is not None
         spare, self.spare = self.spare, None
         gen = self.gen + 1
-        env = {**self.worker_env.to_env(), "ELASTIC_JOIN_GEN": str(gen), "LOCAL_RANK": str(local),
+        env = {**self.worker_env.to_env(), "ELASTIC_JOIN_GEN": str(gen), "LOCAL_RANK": str(local), "ELASTIC_SCREEN": "",
                "TORCHELASTIC_ERROR_FILE": str(self._attempt.dir / f"error-spare-{spare.pid}.json")}
         try:
             assert spare.stdin is not None

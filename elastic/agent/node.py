@@ -24,6 +24,7 @@ budget: a restart caused by a peer is a membership change, not a failure of this
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -103,6 +104,8 @@ class NodeAgent:
         self.progress = ProgressGuard(config.failure.no_progress_restarts)
         self.supervisor = Supervisor(spec.node_id, config, self.state, self.events, self.metrics, self.inbox,
                                      self.scope, self.records, self.progress, self._stop, lambda: self.status.value)
+        self.supervisor.screener_record = self.screener.recorded
+        self._screen_spec: dict | None = None
         self.metrics.watch_silence(lambda: self.supervisor.monitor.silent_for()
                                    if self.status == AgentState.RUNNING else 0.0)
 
@@ -197,6 +200,9 @@ class NodeAgent:
                 self.state.exclusions.clear(self.spec.node_id)
                 self.events.emit("agent.exclusion_cleared", previous_reason=excluded.get("reason"))
             return code
+        if self.config.preflight.enabled and self.inprocess is not None:
+            self._screen_spec = self.screener.worker_spec()  # runs inside the first worker, alongside its start
+            return None
         if self.config.preflight.enabled:
             return self._screen("pre-flight", by="preflight", epoch=None)
         return None
@@ -239,7 +245,8 @@ class NodeAgent:
                          pg_timeout=str(self.config.pg_timeout_s), skip_steps=self.state.skip_spec(),
                          memstate_addr=mem.addr if mem else "", memstate_token=mem.token if mem else "",
                          inprocess=f"{inproc.join_timeout_s:g}" if inproc else "", local_addr=self.spec.local_addr,
-                         agent_pid=str(os.getpid()) if inproc else "")
+                         agent_pid=str(os.getpid()) if inproc else "",
+                         screen=json.dumps(self._screen_spec) if self._screen_spec and self.attempt == 1 else "")
 
     def _after(self, result: AttemptResult, epoch: int) -> int | None:
         """The exit code once this node is finished, or None to run another attempt."""
@@ -256,6 +263,8 @@ class NodeAgent:
             self._set_state(AgentState.GAVE_UP, reason=why)
             self._say(f": {why}")
             return EXIT_FAILURE
+        if result.outcome == Outcome.SCREEN_FAILED:
+            return self._exclude_self(result.detail, self.config.preflight.exclusion_ttl_s, by="preflight", epoch=epoch)
         if result.outcome == Outcome.EXCLUDED:
             record = self.state.exclusions.get(self.spec.node_id) or {}
             return self._leave_excluded(record.get("reason"), record.get("until"))

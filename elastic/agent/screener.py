@@ -53,6 +53,28 @@ class Screener:
             cmd += ["--inject", str(inject)]
         return cmd
 
+    def worker_spec(self) -> dict:
+        """The pre-flight screen as local rank 0 of the first workers runs it (elastic.worker.screen)."""
+        cfg = self.config
+        inject = self.run_dir / "faults" / f"diag-{self.node_id}.yaml"
+        return {"impl": "diag", "mode": cfg.mode, "checks": list(cfg.checks), "thresholds": cfg.thresholds,
+                "inject": str(inject) if inject.exists() else "", "etcd_endpoint": self.endpoint,
+                "ckpt_dir": str(self.run_dir),
+                "report": str(self.run_dir / "diag" / f"{self.node_id}-{int(time.time() * 1000)}.json")}
+
+    def recorded(self, verdict: dict) -> ScreenResult:
+        """Record a verdict the worker reported (event, ``diag/<node>``) like a screen run here."""
+        passed, reason = bool(verdict.get("passed")), str(verdict.get("reason", ""))
+        self.events.emit("agent.screen", why="pre-flight, in the first worker", passed=passed, rc=0 if passed else 1,
+                         reason="" if passed else reason, report=verdict.get("report", ""),
+                         duration_s=verdict.get("duration_s"), first_step_wait_s=verdict.get("wait_s"))
+        try:
+            self.state.put_diag(self.node_id, {"passed": passed, "reason": reason, "ts": time.time(),
+                                               "why": "pre-flight"})
+        except StoreError:
+            pass
+        return ScreenResult(passed, "" if passed else f"pre-flight screen failed: {reason}")
+
     def screen(self, why: str) -> ScreenResult:
         report_path = self.run_dir / "diag" / f"{self.node_id}-{int(time.time() * 1000)}.json"
         report_path.parent.mkdir(parents=True, exist_ok=True)

@@ -48,6 +48,8 @@ class Supervisor:
         self.monitor = HeartbeatMonitor(config.heartbeat)
         self.workers: InProcessWorkers | None = None
         self.on_failure: Callable[[AttemptResult], bool] = lambda result: False
+        self.screened = None  # the verdict of the node screen run inside the first worker
+        self.screener_record = lambda report: None  # set by the agent: records that verdict
 
     def stop_attempt(self, attempt: TorchrunAttempt, reason: str) -> None:
         workers = self.workers
@@ -68,6 +70,7 @@ class Supervisor:
             workers.on_replace = self.monitor.recovering
         self.workers, self.on_failure = workers, on_failure
         self._numerics_step: int | None = None
+        self.screened = None
         next_poll = next_beat = time.monotonic()
         while True:
             result = self._exited(attempt, epoch)
@@ -89,7 +92,7 @@ class Supervisor:
                 next_beat = now + self.config.heartbeat.publish_interval_s
                 self.records.heartbeat(epoch, self.agent_state(), self.monitor.summary())
                 self.metrics.tick()
-            result = self._silence(attempt, epoch)
+            result = self._silence(attempt, epoch) or self._screen_failed(attempt)
             if result is not None:
                 return result
             self.inbox.wait(self.config.monitor_interval_s)
@@ -127,6 +130,8 @@ class Supervisor:
             self.monitor.observe(report)
         elif kind == "commit":
             self.progress.observe_commit(int(report.get("step", -1)))
+        elif kind == "screen":
+            self.screened = self.screener_record(report)
         elif kind == "numerics":
             self.events.emit("agent.numerics_report", step=report.get("step"), rank=report.get("rank"),
                              reason=report.get("reason"))
@@ -156,6 +161,12 @@ class Supervisor:
             self.stop_attempt(attempt, f"epoch {current}")
             return AttemptResult(Outcome.PEER_RESTART)
         return None
+
+    def _screen_failed(self, attempt: TorchrunAttempt) -> AttemptResult | None:
+        if self.screened is None or self.screened.passed:
+            return None
+        self.stop_attempt(attempt, self.screened.reason)
+        return AttemptResult(Outcome.SCREEN_FAILED, detail=self.screened.reason)
 
     def _silence(self, attempt: TorchrunAttempt, epoch: int) -> AttemptResult | None:
         verdict, detail = self.monitor.check()

@@ -30,6 +30,8 @@ INPROCESS_ENV = "ELASTIC_INPROCESS"
 """In-process recovery on: how long (s) a worker waits for the next generation to form."""
 JOIN_GEN_ENV = "ELASTIC_JOIN_GEN"
 """Set for a warm spare taking over a dead worker's slot: the generation it joins."""
+SCREEN_ENV = "ELASTIC_SCREEN"
+"""The node screen's spec (JSON) for local rank 0 to run in-process before its first step."""
 LOCAL_ADDR_ENV = "ELASTIC_LOCAL_ADDR"
 """Where peers reach this node (torchrun --local-addr); a new generation's rank 0 serves its store there."""
 AGENT_PID_ENV = "ELASTIC_AGENT_PID"
@@ -54,6 +56,7 @@ class WorkerEnv:
     join_gen: str = ""
     agent_pid: str = ""
     local_addr: str = ""
+    screen: str = ""
 
     def to_env(self) -> dict[str, str]:
         return {_NAMES[f.name]: getattr(self, f.name) for f in fields(self)}
@@ -70,5 +73,5 @@ _NAMES = {
     "pg_timeout": PG_TIMEOUT_ENV, "skip_steps": SKIP_STEPS_ENV,
     "memstate_addr": MEMSTATE_ADDR_ENV, "memstate_token": MEMSTATE_TOKEN_ENV,
     "inprocess": INPROCESS_ENV, "join_gen": JOIN_GEN_ENV, "agent_pid": AGENT_PID_ENV,
-    "local_addr": LOCAL_ADDR_ENV,
+    "local_addr": LOCAL_ADDR_ENV, "screen": SCREEN_ENV,
 }

@@ -113,5 +113,10 @@ class WorkerContext:
         """A peer was lost during ``step``: this worker is re-forming in-process (not hung)."""
         self._send({"type": "fault", "step": step, "gen": gen, "error": error[:300]})
 
+    def report_screen(self, verdict: dict[str, Any]) -> None:
+        """The node screen's verdict (run by this worker before its first step)."""
+        self._send({"type": "screen", **{k: v for k, v in verdict.items() if k in
+                                         ("passed", "reason", "duration_s", "wait_s", "report")}})
+
     def report_recovered(self, step: int, gen: int, world_size: int, source: str) -> None:
         self._send({"type": "recovered", "step": step, "gen": gen, "world_size": world_size, "source": source})

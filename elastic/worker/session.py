@@ -48,8 +48,10 @@ from elastic.worker.checksum import param_checksum, publish_checksum
 from elastic.worker.faults import FaultHooks
 from elastic.worker.inprocess import EXIT_RECOVERY_FAILED, InProcess, is_peer_failure, wait_for_agent
 from elastic.worker.scalars import ScalarLog
+from elastic.worker.screen import BackgroundScreen
 
 EXIT_CONFIG = 2
+EXIT_SCREEN_FAILED = 92
 
 
 class StopTraining(Exception):
@@ -76,6 +78,13 @@ class RecoveryFailed(StopTraining):
 
     code = EXIT_RECOVERY_FAILED
     label = "in-process recovery failed"
+
+
+class ScreenFailed(StopTraining):
+    """This node failed its screen: it leaves before its first step and its agent excludes it."""
+
+    code = EXIT_SCREEN_FAILED
+    label = "node screen failed"
 
 
 class Trainable(Protocol):
@@ -168,6 +177,8 @@ class WorkerSession:
                 inproc.pusher.events = self.events
                 inproc.pusher.kill_during = lambda step: self.hooks.snapshot_kill(step)
         self.ckpt = self._checkpoints() if checkpoints else None
+        # The node screen runs while this worker builds and loads; the first step waits for it.
+        self.screen = BackgroundScreen.from_env(int(os.environ.get("LOCAL_RANK", "0")), device.type)
         self._sync = torch.zeros(1, device=device)
         self._t0 = 0.0
         self._wait = 0.0
@@ -263,6 +274,7 @@ class WorkerSession:
         each), and re-form in-process when a peer is lost; returns the final checksum."""
         run = build(self)
         step = self._resume(run)
+        self._screen_gate()
         while step < run.last_step:
             try:
                 run.step(step + 1)
@@ -273,6 +285,15 @@ class WorkerSession:
                     raise
                 run, step = self._recover(build, step + 1, exc)
         return self.finish(run.model, run.last_step, **run.done_fields())
+
+    def _screen_gate(self) -> None:
+        if self.screen is None:
+            return
+        verdict, self.screen = self.screen.verdict(), None
+        self.events.emit("trainer.screen", **verdict)
+        self.agent.report_screen(verdict)
+        if not verdict["passed"]:
+            raise ScreenFailed(verdict["reason"])
 
     def _resume(self, run: Trainable) -> int:
         if self.inproc is not None and self.inproc.joining:

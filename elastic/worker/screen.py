@@ -1,0 +1,60 @@
+"""The node screen inside the first worker: run while the worker starts, hold back only its first step.
+
+The node agent hands the screen's spec to local rank 0 of its workers (``ELASTIC_SCREEN``, JSON).
+The screen itself is a plugin (entry-point group ``elastic.screens``; the ``diag`` one is
+:func:`diagnostics.preflight.screen_in_worker`): the runtime does not import the diagnostics.  It
+runs on a background thread while the worker builds its model, joins its process group and loads
+its checkpoint, and :meth:`BackgroundScreen.verdict` waits for it before the first step.  A node
+that fails never trains a step: its worker reports the verdict and leaves, and its agent excludes
+the node.  The screen pays no second ``import torch``, which on a host of several nodes was most
+of its cost as a separate process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from importlib.metadata import entry_points
+from typing import Any
+
+from elastic.common.env import SCREEN_ENV
+
+GROUP = "elastic.screens"
+
+
+class BackgroundScreen:
+    def __init__(self, spec: dict[str, Any], background: bool = True) -> None:
+        self.spec = spec
+        self._result: dict[str, Any] | None = None
+        self._thread = threading.Thread(target=self._run, name="node-screen", daemon=True)
+        if background:
+            self._thread.start()
+
+    @classmethod
+    def from_env(cls, local_rank: int, device_type: str) -> BackgroundScreen | None:
+        """Local rank 0's screen.  On a GPU host it runs beside the worker's start (other devices);
+        on a CPU host it would compete with that start for the same cores and judge its own
+        contention, so it runs at the first step's gate instead."""
+        raw = os.environ.get(SCREEN_ENV, "")
+        return cls(json.loads(raw), background=device_type != "cpu") if raw and local_rank == 0 else None
+
+    def _run(self) -> None:
+        name = self.spec.get("impl", "diag")
+        try:
+            screen = next(ep for ep in entry_points(group=GROUP) if ep.name == name).load()
+            self._result = dict(screen(self.spec))
+        except StopIteration:
+            self._result = {"passed": False, "reason": f"no screen named {name!r} is installed ({GROUP})"}
+        except Exception as exc:  # a screen that cannot run is a failed screen, with its reason
+            self._result = {"passed": False, "reason": f"screen error: {type(exc).__name__}: {exc}"[:500]}
+
+    def verdict(self) -> dict[str, Any]:
+        """Block until the screen is done; {passed, reason, duration_s, wait_s}."""
+        t0 = time.monotonic()
+        if self._thread.ident is None:
+            self._thread.start()
+        self._thread.join()
+        assert self._result is not None
+        return {**self._result, "wait_s": round(time.monotonic() - t0, 3), "report": self.spec.get("report", "")}
