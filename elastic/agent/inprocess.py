@@ -22,6 +22,7 @@ a full restart through a new torchrun, from the disk checkpoint.
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -91,6 +92,13 @@ def memory_store(spec: NodeSpec, state: RunState, events: EventLog, memory_mib: 
     if inprocess is not None:
         server.replicate = BuddyLink(spec.node_id, state, events, inprocess.probe_timeout_s * 5).forward
     return server
+
+
+def inprocess_env(memstate: MemStateServer | None, config: InProcessConfig | None) -> dict[str, str]:
+    """The WorkerEnv fields of the memory store and in-process recovery (empty when off)."""
+    return {"memstate_addr": memstate.addr if memstate else "", "memstate_token": memstate.token if memstate else "",
+            "inprocess": f"{config.join_timeout_s:g}" if config else "",
+            "agent_pid": str(os.getpid()) if config else ""}
 
 
 def ring_successor(node_id: str, nodes: dict[str, dict]) -> tuple[str, str, str] | None:

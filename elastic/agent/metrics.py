@@ -59,6 +59,18 @@ class MetricsConfig:
             raise ConfigError("host", "must not be empty")
 
 
+def serve_metrics(metrics: AgentMetrics, config: MetricsConfig, events: EventLog, say: Callable[[str], None]) -> None:
+    """Start the agent's metrics endpoint; a port already taken means running without it (an event, a line)."""
+    try:
+        address = metrics.serve(config)
+    except OSError as exc:
+        events.emit("agent.metrics_failed", error=str(exc), port=config.port)
+        say(f": metrics endpoint not started: {exc}")
+        return
+    if address is not None:
+        events.emit("agent.metrics_started", address=address)
+
+
 class _EventTail:
     """New complete lines of a JSONL file since the last read (a torn last line waits)."""
 

@@ -25,7 +25,6 @@ budget: a restart caused by a peer is a membership change, not a failure of this
 from __future__ import annotations
 
 import json
-import os
 import signal
 import sys
 import threading
@@ -37,7 +36,8 @@ from elastic.agent.config import AgentConfig, RendezvousConfig
 from elastic.agent.failures import Decision, FailureHandler, ProgressGuard
 from elastic.agent.metrics import AgentMetrics, MeteredEventLog
 from elastic.agent.records import NodeRecords
-from elastic.agent.inprocess import InProcessWorkers, memory_store
+from elastic.agent.inprocess import InProcessWorkers, inprocess_env, memory_store
+from elastic.agent.metrics import serve_metrics
 from elastic.agent.scopes import make_scope
 from elastic.agent.screener import Screener
 from elastic.agent.supervise import Supervisor
@@ -47,7 +47,7 @@ from elastic.common.procs import become_subreaper
 from elastic.common.events import EventLog
 from elastic.control.admission import Admission, Refused
 from elastic.control.keys import RunKeys
-from elastic.control.leader import ClusterPolicy, LeaderLoop
+from elastic.control.leader import ClusterPolicy, LeaderLoop, leader_excluder
 from elastic.control.runstate import RunState
 from elastic.control.store import EtcdStore, KVStore, LeaseKeeper, StoreError
 from elastic.replicas.config import ReplicaConfig
@@ -132,7 +132,7 @@ class NodeAgent:
     def run(self) -> int:
         self.events.emit("agent.start", run_id=self.spec.run_id, endpoint=self.spec.endpoint,
                          nnodes=self.spec.nnodes, max_restarts=self.config.max_restarts)
-        self._serve_metrics()
+        serve_metrics(self.metrics, self.config.metrics, self.events, self._say)
         try:
             return self._run()
         finally:
@@ -150,16 +150,6 @@ class NodeAgent:
             self.events.emit("agent.exit", state=self.status.value, failures=self.failures.failures)
             self.events.close()
 
-    def _serve_metrics(self) -> None:
-        try:
-            address = self.metrics.serve(self.config.metrics)
-        except OSError as exc:  # e.g. a fixed port already taken: run without the endpoint
-            self.events.emit("agent.metrics_failed", error=str(exc), port=self.config.metrics.port)
-            self._say(f": metrics endpoint not started: {exc}")
-            return
-        if address is not None:
-            self.events.emit("agent.metrics_started", address=address)
-
     def _run(self) -> int:
         code = self._admit()
         if code is not None:
@@ -167,7 +157,7 @@ class NodeAgent:
         self.records.lease = LeaseKeeper(self.store, self.config.lease_ttl_s,
                                          on_lost=lambda: self.events.emit("agent.lease_lost"))
         self._set_state(AgentState.REGISTERED)
-        policy = ClusterPolicy(self.config.leader, self._exclude_other, self.events)
+        policy = ClusterPolicy(self.config.leader, leader_excluder(self.state, self.spec.node_id, self.events), self.events)
         self._leader = LeaderLoop(self.state, self.spec.node_id, self.config.leader, policy, self.events,
                                   on_tick=lambda leader: self.scope.on_leader_tick(leader, self.records.lease_id))
         self._leader.start()
@@ -239,14 +229,12 @@ class NodeAgent:
             self.scope.target(epoch, self.attempt), self.config.term_grace_s, extra_env=extra_env)
 
     def _worker_env(self, epoch: int) -> WorkerEnv:
-        mem, inproc = self.memstate, self.inprocess
+        screen = json.dumps(self._screen_spec) if self._screen_spec and self.attempt == 1 else ""
         return WorkerEnv(agent_addr=self.inbox.address, node_id=self.spec.node_id, run_id=self.spec.run_id,
                          etcd_endpoint=self.spec.endpoint, run_prefix=self.keys.prefix, epoch=str(epoch),
                          pg_timeout=str(self.config.pg_timeout_s), skip_steps=self.state.skip_spec(),
-                         memstate_addr=mem.addr if mem else "", memstate_token=mem.token if mem else "",
-                         inprocess=f"{inproc.join_timeout_s:g}" if inproc else "", local_addr=self.spec.local_addr,
-                         agent_pid=str(os.getpid()) if inproc else "",
-                         screen=json.dumps(self._screen_spec) if self._screen_spec and self.attempt == 1 else "")
+                         local_addr=self.spec.local_addr, screen=screen,
+                         **inprocess_env(self.memstate, self.inprocess))
 
     def _after(self, result: AttemptResult, epoch: int) -> int | None:
         """The exit code once this node is finished, or None to run another attempt."""
@@ -336,11 +324,3 @@ class NodeAgent:
         if epoch is not None:
             self.scope.bump(epoch)
         return self._leave_excluded(reason, time.time() + ttl_s)
-
-    def _exclude_other(self, node: str, reason: str, ttl_s: float) -> None:
-        """Leader policy: exclude another node (it notices and leaves)."""
-        try:
-            self.state.exclusions.add(node, reason, ttl_s=ttl_s, by=f"leader/{self.spec.node_id}")
-            self.events.emit("leader.exclude", node=node, reason=reason, ttl_s=ttl_s)
-        except StoreError as exc:
-            self.events.emit("leader.store_error", error=str(exc))

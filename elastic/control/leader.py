@@ -72,6 +72,19 @@ class LeaderConfig:
                 raise ConfigError(name, "must be > 0")
 
 
+def leader_excluder(state: RunState, node_id: str, events: EventLog) -> Callable[[str, str, float], None]:
+    """The leader policy's way to exclude another node (it notices and leaves); never raises."""
+
+    def exclude(node: str, reason: str, ttl_s: float) -> None:
+        try:
+            state.exclusions.add(node, reason, ttl_s=ttl_s, by=f"leader/{node_id}")
+            events.emit("leader.exclude", node=node, reason=reason, ttl_s=ttl_s)
+        except StoreError as exc:
+            events.emit("leader.store_error", error=str(exc))
+
+    return exclude
+
+
 class LeaderElection:
     def __init__(self, store: KVStore, key: str, node_id: str, ttl_s: int) -> None:
         self.store = store
