@@ -56,7 +56,8 @@ def wait_for_event(run_dir: Path, predicate: Callable[[Event], bool], timeout: f
 
 def run_pids(run_dir: Path) -> dict[str, set[int]]:
     """Every process the run reported: launcher, etcd, agents, torchrun, trainers."""
-    pids: dict[str, set[int]] = {"launcher": set(), "etcd": set(), "agent": set(), "torchrun": set(), "trainer": set()}
+    pids: dict[str, set[int]] = {"launcher": set(), "etcd": set(), "agent": set(), "torchrun": set(), "trainer": set(),
+                                 "spare": set()}
     for e in read_run_events(run_dir):
         source = e.get("source", "")
         if source == "launcher":
@@ -69,8 +70,8 @@ def run_pids(run_dir: Path) -> dict[str, set[int]]:
             pids["agent"].add(e["pid"])
             if e.get("torchrun_pid"):
                 pids["torchrun"].add(e["torchrun_pid"])
-            if e.get("spare_pid"):  # a warm spare (in-process recovery) is a worker process too
-                pids["trainer"].add(e["spare_pid"])
+            if e.get("spare_pid"):  # a warm spare (in-process recovery)
+                pids["spare"].add(e["spare_pid"])
         elif source.startswith("trainer/"):
             pids["trainer"].add(e["pid"])
     for group in pids.values():

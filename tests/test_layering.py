@@ -36,3 +36,11 @@ def test_a_runtime_import_of_launch_breaks_the_contract(tmp_path):
     (bad / "__init__.py").write_text("import launch.cli  # noqa: F401\n")
     proc = _lint(tmp_path)
     assert proc.returncode != 0 and "BROKEN" in proc.stdout.upper(), proc.stdout[-3000:]
+
+
+def test_the_agent_and_the_launcher_do_not_import_torch():
+    """Each agent and launcher is a process of its own: importing torch would cost seconds per node."""
+    code = ("import sys, elastic.agent.main, launch.cli, launch.local; "
+            "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))[:5]")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]

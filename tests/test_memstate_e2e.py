@@ -15,7 +15,11 @@ from tests.launch_helpers import start_launcher, wait_for_event, write_run_confi
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_sigkilled_worker_resumes_from_memory_bitwise(baseline_run, tmp_path, subprocess_env_session):
-    config = write_run_config(tmp_path, checkpoint={"memory": {"enabled": True}})
+    # The checkpoint-level fast path serves the epoch restart: in-process recovery (which restores
+    # from per-step snapshots and never reloads a checkpoint) is off here.
+    config = write_run_config(tmp_path, checkpoint={"memory": {"enabled": True}},
+                              agent={"max_restarts": 3, "term_grace_s": 2, "preflight": {"enabled": False},
+                                     "inprocess": {"enabled": False}})
     proc = start_launcher(config, subprocess_env_session)
     run_dir = tmp_path / "run"
     # Wait until rank 1's state of a committed step sits in its agent's memory, then kill it.

@@ -36,11 +36,11 @@ from elastic.checkpoint.memclient import MemStateClient
 from elastic.checkpoint.memstate import MemStateError, MemStateServer, SnapMeta
 from elastic.common.env import WorkerEnv
 from elastic.common.events import EventLog
+from elastic.common.exits import EXIT_CONFIG, EXIT_NUMERICS, EXIT_RECOVERY_FAILED, EXIT_SCREEN_FAILED
 from elastic.common.procs import reap, terminate_tree
 from elastic.control.generations import Generations
 from elastic.control.runstate import RunState
 from elastic.control.store import StoreError
-from elastic.worker.inprocess import EXIT_RECOVERY_FAILED
 
 
 class BuddyLink:
@@ -88,10 +88,18 @@ def memory_store(spec: NodeSpec, state: RunState, events: EventLog, memory_mib: 
     if inprocess is None and not memory_mib:
         return None
     size = max(memory_mib, inprocess.snapshot_mib if inprocess else 0) << 20
-    server = MemStateServer(size, events, host=spec.local_addr if inprocess else "127.0.0.1")
+    # Peers (buddy replication, probes) reach it at the node's address, the node's own workers on
+    # loopback: on a cluster it listens on every interface (token-protected), locally on loopback.
+    loopback = spec.local_addr.startswith("127.") or spec.local_addr == "localhost"
+    server = MemStateServer(size, events, host="127.0.0.1" if inprocess is None or loopback else "0.0.0.0")
     if inprocess is not None:
         server.replicate = BuddyLink(spec.node_id, state, events, inprocess.probe_timeout_s * 5).forward
     return server
+
+
+def peer_address(spec: NodeSpec, memstate: MemStateServer) -> dict[str, str]:
+    """The node record's entry that tells peers where this node's snapshot store is."""
+    return {"addr": f"{spec.local_addr}:{memstate.port}", "token": memstate.token}
 
 
 def inprocess_env(memstate: MemStateServer | None, config: InProcessConfig | None) -> dict[str, str]:
@@ -110,6 +118,18 @@ def ring_successor(node_id: str, nodes: dict[str, dict]) -> tuple[str, str, str]
     after = [n for n in order if n > node_id]
     node = (after or order)[0]
     return node, stores[node]["addr"], stores[node]["token"]
+
+
+# Exit codes a worker leaves with on purpose: the agent's usual path decides (classify, roll back, exclude).
+_DELIBERATE = frozenset({EXIT_NUMERICS, EXIT_SCREEN_FAILED, EXIT_CONFIG})
+
+
+def _death_kind(rc: int) -> FailureKind | None:
+    if rc == EXIT_RECOVERY_FAILED:
+        return FailureKind.RECOVERY_FAILED
+    if rc in _DELIBERATE:
+        return None  # classified from the worker's reports and error files
+    return FailureKind.WORKER_SIGNAL if rc < 0 else FailureKind.WORKER_ERROR
 
 
 class InProcessWorkers:
@@ -192,14 +212,14 @@ class InProcessWorkers:
         return None
 
     def _death(self, local: int, pid: int, rc: int, on_failure) -> AttemptResult | None:
-        kind = FailureKind.RECOVERY_FAILED if rc == EXIT_RECOVERY_FAILED else (
-            FailureKind.WORKER_SIGNAL if rc < 0 else FailureKind.WORKER_ERROR)
         detail = f"worker local rank {local} (pid {pid}) " + (f"killed by signal {-rc}" if rc < 0 else f"exited {rc}")
-        result = AttemptResult(Outcome.FAILED, rc, kind=kind, detail=detail,
+        result = AttemptResult(Outcome.FAILED, rc, kind=_death_kind(rc), detail=detail,
                                attempt_dir=self._attempt.dir if self._attempt else None)
-        if kind == FailureKind.RECOVERY_FAILED or self.spare is None or not on_failure(result):
+        if rc in _DELIBERATE:  # the worker chose to leave (numerics rollback, screen, config): not a death
+            return result
+        if result.kind == FailureKind.RECOVERY_FAILED or self.spare is None or not on_failure(result):
             self.events.emit("agent.inprocess_fallback", local_rank=local, rc=rc, detail=detail,
-                             reason="recovery failed" if kind == FailureKind.RECOVERY_FAILED else
+                             reason="recovery failed" if result.kind == FailureKind.RECOVERY_FAILED else
                              ("no warm spare" if self.spare is None else "failure policy"))
             return result
         self._replace(local, detail)

@@ -36,13 +36,14 @@ from elastic.agent.config import AgentConfig, RendezvousConfig
 from elastic.agent.failures import Decision, FailureHandler, ProgressGuard
 from elastic.agent.metrics import AgentMetrics, MeteredEventLog
 from elastic.agent.records import NodeRecords
-from elastic.agent.inprocess import InProcessWorkers, inprocess_env, memory_store
+from elastic.agent.inprocess import InProcessWorkers, inprocess_env, memory_store, peer_address
 from elastic.agent.metrics import serve_metrics
 from elastic.agent.scopes import make_scope
 from elastic.agent.screener import Screener
 from elastic.agent.supervise import Supervisor
 from elastic.checkpoint.config import MemoryCacheConfig
 from elastic.common.env import WorkerEnv
+from elastic.common.exits import EXIT_EXCLUDED
 from elastic.common.procs import become_subreaper
 from elastic.common.events import EventLog
 from elastic.control.admission import Admission, Refused
@@ -55,7 +56,6 @@ from elastic.replicas.config import ReplicaConfig
 EXIT_SUCCESS = 0
 EXIT_FAILURE = 1
 EXIT_CONFIG = 2
-EXIT_EXCLUDED = 93  # "do not requeue": the node is bad, rescheduling it here is pointless
 EXIT_INTERRUPTED = 130
 
 __all__ = ["NodeAgent", "NodeSpec", "AgentState", "EXIT_EXCLUDED"]
@@ -98,7 +98,7 @@ class NodeAgent:
         self.memstate = memory_store(spec, self.state, self.events,
                                      memory.max_mib if memory is not None and memory.enabled else 0, self.inprocess)
         if self.memstate is not None and self.inprocess is not None:
-            self.records.extra["memstate"] = {"addr": self.memstate.addr, "token": self.memstate.token}
+            self.records.extra["memstate"] = peer_address(spec, self.memstate)
         self.screener = Screener(config.preflight, spec.node_id, spec.run_dir, spec.endpoint, self.state, self.events)
         self.failures = FailureHandler(config.failure, spec.node_id, self.state, self.events)
         self.progress = ProgressGuard(config.failure.no_progress_restarts)

@@ -349,8 +349,13 @@ class MemStateServer:
 
     @property
     def addr(self) -> str:
+        """Where this node's workers reach the store (loopback, also when it listens on every interface)."""
         host, port = self._server.server_address[:2]
-        return f"{host}:{port}"
+        return f"{'127.0.0.1' if host == '0.0.0.0' else host}:{port}"
+
+    @property
+    def port(self) -> int:
+        return int(self._server.server_address[1])
 
     def worker_env(self) -> dict[str, str]:
         return {MEMSTATE_ADDR_ENV: self.addr, MEMSTATE_TOKEN_ENV: self.token}

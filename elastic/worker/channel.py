@@ -24,14 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from elastic.common.env import AGENT_ADDR_ENV, INPROCESS_ENV, SKIP_STEPS_ENV
+from elastic.common.exits import EXIT_NUMERICS  # noqa: F401  (re-exported: trainers import it from here)
 from elastic.common.procs import set_parent_death_signal
-
-
-# A worker that stops because of bad numerics (NaN/Inf, loss spike) exits with this code
-# after report_numerics(), so its agent can roll back instead of plainly restarting.
-EXIT_NUMERICS = 87
-
-
 
 
 def skip_steps(text: str | None = None) -> frozenset[int]:

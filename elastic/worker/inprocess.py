@@ -38,13 +38,12 @@ from elastic.checkpoint.snapshot import (
 )
 from elastic.common.env import WorkerEnv
 from elastic.common.events import EventLog
+from elastic.common.exits import EXIT_RECOVERY_FAILED
 from elastic.common.peers import is_peer_lost
 from elastic.control.generations import Generations, Plan, Slot
 from elastic.control.keys import RunKeys
 from elastic.control.store import EtcdStore, StoreError
 
-EXIT_RECOVERY_FAILED = 86
-"""A worker leaves with this code when the in-process path cannot continue (the agent restarts the epoch)."""
 
 
 class RecoveryUnavailable(RuntimeError):

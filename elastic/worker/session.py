@@ -42,6 +42,7 @@ from elastic.checkpoint.storage import FaultInjectingStorage, LocalStorage
 from elastic.common.config import ConfigError
 from elastic.common.env import EPOCH_ENV, NODE_ID_ENV, PG_TIMEOUT_ENV
 from elastic.common.events import EventLog
+from elastic.common.exits import EXIT_SCREEN_FAILED
 from elastic.run.schema import RunConfig, load_run_file
 from elastic.worker.channel import EXIT_NUMERICS, WorkerContext, skip_steps
 from elastic.worker.checksum import param_checksum, publish_checksum
@@ -51,7 +52,6 @@ from elastic.worker.scalars import ScalarLog
 from elastic.worker.screen import BackgroundScreen
 
 EXIT_CONFIG = 2
-EXIT_SCREEN_FAILED = 92
 
 
 class StopTraining(Exception):

@@ -1,0 +1,11 @@
+"""Exit codes that carry meaning between workers, agents and the launcher (no heavy imports)."""
+
+EXIT_CONFIG = 2
+EXIT_RECOVERY_FAILED = 86
+"""A worker leaves with this code when in-process recovery cannot continue (the agent restarts the epoch)."""
+EXIT_NUMERICS = 87
+"""A worker that stops because of bad numerics (NaN/Inf, loss spike), after reporting it: roll back."""
+EXIT_SCREEN_FAILED = 92
+"""The node failed the screen its first worker ran: it leaves before its first step, the agent excludes it."""
+EXIT_EXCLUDED = 93
+"""Do not requeue: the node is on the run's exclusion list."""
