@@ -91,6 +91,8 @@ def _join_all(handlers: list, start_at: float, skip: set[int]) -> list[dict]:
                    "round": _round_of(handler)}
         except Exception as exc:  # noqa: BLE001 - the parent fails the repeat
             out = {"start": t0, "end": time.time(), "error": f"{type(exc).__name__}: {exc}"[:300]}
+            if os.environ.get("BENCH_CHILD_STDERR"):
+                print(f"participant {index}: {out['error']} after {out['end'] - t0:.1f}s", file=sys.stderr, flush=True)
         with lock:
             results.append(out)
 
@@ -143,8 +145,8 @@ class Participants:
             subprocess.Popen([sys.executable, __file__, "--child", "--backend", backend, "--endpoint", endpoint,
                               "--run-id", run_id, "--size", str(size), "--min-nodes", str(min_nodes),
                               "--threads", str(n)],
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                             env=env)
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
+                             stderr=None if os.environ.get("BENCH_CHILD_STDERR") else subprocess.DEVNULL)
             for n in per if n
         ]
         for child in self.children:

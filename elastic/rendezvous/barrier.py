@@ -139,7 +139,6 @@ class BarrierRendezvousHandler(RendezvousHandler):
             raise RendezvousConnectionError(f"etcd failed during the rendezvous: {exc}") from exc
         self._round = record
         rank = record.nodes.index(self._node().node_id)
-        self._waiting = _NextRoundWatch(self._store, self._keys.rdzv_joins(record.round + 1), record.revision + 1)
         store = EtcdC10dStore(self._store, self._keys.c10d_round(record.round))
         return RendezvousInfo(store, rank, len(record.nodes), self._bootstrap(record, rank))
 
@@ -157,10 +156,20 @@ class BarrierRendezvousHandler(RendezvousHandler):
         self._guard(close)
 
     def num_nodes_waiting(self) -> int:
-        """Nodes joined to the next round; no request is sent until the watch has seen one."""
-        if self._round is None or self._waiting is None or not self._waiting.fired.is_set():
+        """Nodes joined to the next round; no request is sent until the watch has seen one.
+
+        The watch starts at the first call (torchrun's monitor loop calls this every interval),
+        from the revision of the round record, so no join since the round formed is missed; that
+        first call also counts once, so its answer does not wait for the watch."""
+        if self._round is None:
             return 0
-        return self._guard(lambda: self._store.count_prefix(self._keys.rdzv_joins(self._round.round + 1)))
+        joins = self._keys.rdzv_joins(self._round.round + 1)
+        first = self._waiting is None
+        if first:
+            self._waiting = _NextRoundWatch(self._store, joins, self._round.revision + 1)
+        if not (first or self._waiting.fired.is_set()):
+            return 0
+        return self._guard(lambda: self._store.count_prefix(joins))
 
     def shutdown(self) -> bool:
         self._stop_waiting()
@@ -187,15 +196,14 @@ class BarrierRendezvousHandler(RendezvousHandler):
             try:
                 return RoundAttempt(self._store, spec, self._node(), lease.lease_id, lease.lost).run()
             except LateForRound as late:
-                target = late.args[0] + 1
+                target = late.next_round
             except LeaseLost:
                 continue  # a fresh lease, the same round
 
     def _first_round(self) -> int:
-        latest = self._store.get(self._keys.rdzv_latest)
-        newest = int(latest.value) if latest is not None else -1
-        mine = self._round.round if self._round is not None else -1
-        return max(newest, mine) + 1
+        """The round after this node's last one (0 at first): optimistic, with no read.  If it has
+        formed already, the failed join reads the newest round and the node moves past it."""
+        return self._round.round + 1 if self._round is not None else 0
 
     def _ensure_lease(self) -> LeaseKeeper:
         with self._lock:

@@ -92,7 +92,11 @@ class RoundRecord:
 
 
 class LateForRound(Exception):
-    """The round formed without this node: join the next one."""
+    """The round formed without this node: join ``next_round`` (the one after the newest that formed)."""
+
+    def __init__(self, next_round: int) -> None:
+        super().__init__(next_round)
+        self.next_round = next_round
 
 
 class LeaseLost(Exception):
@@ -122,6 +126,7 @@ class RoundAttempt:
         k, r = spec.keys, spec.round
         self._join_key, self._joins, self._done = k.rdzv_join(r, node.node_id), k.rdzv_joins(r), k.rdzv_ctl(r, "done")
         self._coord, self._ctl = k.rdzv_ctl(r, "coord"), k.rdzv_ctl(r)
+        self._latest = -1  # newest formed round, as the failure branch of the join reads it
 
     # -- joining ------------------------------------------------------------------
     def run(self) -> RoundRecord:
@@ -131,7 +136,7 @@ class RoundAttempt:
         if record is None:
             record = self._coordinate() if coordinator else self._wait(revision)
         if self._node.node_id not in record.nodes:
-            raise LateForRound(record.round)
+            raise LateForRound(max(record.round, self._latest) + 1)
         return record
 
     def _join(self) -> tuple[RoundRecord | None, int, int, bool]:
@@ -139,11 +144,12 @@ class RoundAttempt:
         result = self._store.txn(Txn(
             compare=[Compare.absent(k.rdzv_closed), Compare.absent(self._done)],
             success=[Put(self._join_key, self._node.encode(), self._lease), Count(self._joins), self._claim()],
-            failure=[Get(k.rdzv_closed), Get(self._done)]))
+            failure=[Get(k.rdzv_closed), Get(self._done), Get(k.rdzv_latest)]))
         if not result.succeeded:
-            closed, done = result.results
+            closed, done, latest = result.results
             if closed is not None:
                 raise RendezvousClosedError()
+            self._latest = int(latest.value) if latest is not None else -1
             return _round_of(done), result.revision, 0, False
         return None, result.revision, result.results[1], self._claimed(result.results[2])
 
