@@ -304,7 +304,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(prog="benchmarks/rendezvous.py")
     parser.add_argument("--sizes", default="64,256,1024")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--procs", type=int, default=4, help="participant processes per rendezvous")
+    parser.add_argument("--procs", type=int, default=16, help="participant processes per rendezvous")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds allowed per rendezvous")
     parser.add_argument("--backends", default=",".join(BACKENDS))
     parser.add_argument("--reform-size", type=int, default=256, help="0 skips the re-form measurement")

@@ -23,7 +23,8 @@ cannot be decoded -> :class:`RendezvousStateError`; etcd unreachable ->
 
 ``--rdzv-conf`` keys understood here (besides torch's own join/last_call/
 close/heartbeat timeouts): ``key_prefix`` (default ``/elastic``),
-``request_timeout`` and ``retry_deadline`` (seconds, etcd client), and for a
+``request_timeout`` (default 10) and ``retry_deadline`` (default 60, torch's c10d read timeout;
+seconds, etcd client), and for a
 secured etcd ``etcd_ca_file``, ``etcd_cert_file``, ``etcd_key_file``,
 ``etcd_user`` and ``etcd_password_env`` (the *name* of the variable that holds
 the password, default ``ELASTIC_ETCD_PASSWORD``; a password on torchrun's
@@ -145,8 +146,11 @@ def _decode_state(raw: bytes) -> bytes:
 def store_from_params(params: RendezvousParameters) -> EtcdStore:
     """The etcd store of ``--rdzv-endpoint`` (``host:port[,host:port...]``) and ``--rdzv-conf``."""
     endpoint = params.endpoint or "127.0.0.1:2379"
-    request_timeout = float(params.get("request_timeout", 5) or 5)
-    retry_deadline = float(params.get("retry_deadline", 15) or 15)
+    # A busy etcd (1,000 agents joining at once) may take seconds to answer: a participant that
+    # gave up after a few retries would hold up the whole round.  An etcd that stays down still
+    # surfaces as RendezvousConnectionError, after a minute as on torch's c10d store.
+    request_timeout = float(params.get("request_timeout", 10) or 10)
+    retry_deadline = float(params.get("retry_deadline", 60) or 60)
     # TLS paths and the user come as --rdzv-conf keys, the password only from the environment.
     security = EtcdSecurity.from_rdzv_conf(params.get)
     try:
