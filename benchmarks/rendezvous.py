@@ -28,7 +28,8 @@ Servers on 127.0.0.1, outside the participant processes: an embedded etcd (``--e
 backends use torch's default timings (join 600 s, last call 30 s, keep-alive 5 s x 3).
 Participants run with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, as under the node agent.
 Prints one JSON object (``--json PATH`` also writes it); ``ratio_vs_c10d`` maps each size to the
-etcd3 median over c10d's.
+etcd3 median over c10d's.  ``BENCH_CHILD_STDERR=1`` shows the participants' stderr and reports
+each failed participant as it fails.
 """
 
 from __future__ import annotations
