@@ -23,7 +23,7 @@ from diagnostics import checks as registry
 from diagnostics.readers import INJECT_ENV, InjectionError
 from diagnostics.thresholds import load_thresholds
 from elastic.common.config import ConfigError
-from elastic.control.store import parse_endpoint
+from elastic.control.store import parse_endpoints
 
 EXIT_PASS, EXIT_FAIL, EXIT_ERROR = 0, 1, 2
 
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_ERROR
     if args.etcd_endpoint:
         try:
-            parse_endpoint(args.etcd_endpoint)
+            parse_endpoints(args.etcd_endpoint)
         except ValueError as exc:
             print(f"diag: error: --etcd-endpoint: {exc}", file=sys.stderr)
             return EXIT_ERROR

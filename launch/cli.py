@@ -81,10 +81,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = resolve_config(args)
         if cfg.launch.etcd_endpoint:
-            from elastic.control.store import parse_endpoint
+            from elastic.control.store import parse_endpoints
 
             try:
-                parse_endpoint(cfg.launch.etcd_endpoint)
+                parse_endpoints(cfg.launch.etcd_endpoint)
             except ValueError as exc:
                 raise ConfigError("launch.etcd_endpoint", str(exc)) from None
         prepare_etcd_access(cfg)

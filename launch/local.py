@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from elastic.agent.node import EXIT_EXCLUDED
-from elastic.control.etcd_server import EmbeddedEtcd
+from elastic.control.etcd_cluster import EtcdCluster
 from elastic.common.events import EventLog, read_run_events
 from elastic.run.goodput import compute_goodput, format_goodput
 from elastic.control.keys import RunKeys
@@ -58,7 +58,7 @@ class Launcher:
         self.cfg = cfg
         self.run_dir = run_dir
         self.live = live  # a live status table on the terminal (launch.status.LiveStatus)
-        self.etcd: EmbeddedEtcd | None = None
+        self.etcd: EtcdCluster | None = None
         self.agents: list[AgentProc] = []
         self._stop_signal: int | None = None
         self.events = EventLog(self._events_path(), "launcher")
@@ -72,9 +72,11 @@ class Launcher:
     def _endpoint(self) -> str:
         if self.cfg.launch.etcd_endpoint:
             return self.cfg.launch.etcd_endpoint
-        self.etcd = EmbeddedEtcd(data_dir=self.run_dir / "etcd", log_path=self.run_dir / "logs" / "etcd.log")
+        self.etcd = EtcdCluster(self.run_dir / "etcd", members=self.cfg.launch.etcd_members,
+                                log_dir=self.run_dir / "logs")
         endpoint = self.etcd.start(parent_death_signal=signal.SIGTERM)
-        self.events.emit("launcher.etcd_started", endpoint=endpoint, etcd_pid=self.etcd.pid)
+        self.events.emit("launcher.etcd_started", endpoint=endpoint, etcd_pid=self.etcd.pids[0],
+                         etcd_pids=self.etcd.pids)
         return endpoint
 
     def node_ids(self) -> list[str]:
@@ -236,9 +238,9 @@ class Launcher:
             agent.rc = agent.proc.returncode if agent.rc is None else agent.rc
         # Anything else still below us (should be nothing) goes too.
         terminate_tree(None, descendants(os.getpid()) if self.etcd is None else
-                       [p for p in descendants(os.getpid()) if p != self.etcd.pid], grace=2.0)
+                       [p for p in descendants(os.getpid()) if p not in self.etcd.pids], grace=2.0)
         if self.etcd is not None:
-            self.etcd.stop()
+            self.etcd.close()
             self.events.emit("launcher.etcd_stopped")
 
     def _exit_code(self) -> int:

@@ -13,7 +13,7 @@ import json
 import sys
 
 from elastic.control.keys import DEFAULT_KEY_PREFIX
-from elastic.control.store import EtcdStore, StoreError, parse_endpoint
+from elastic.control.store import EtcdStore, StoreError, parse_endpoints
 from launch.status import format_plain, list_runs, read_status, resolve_prefix
 
 
@@ -44,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def status(args: argparse.Namespace) -> int:
     try:
-        parse_endpoint(args.etcd)
+        parse_endpoints(args.etcd)
     except ValueError as exc:
         raise _UsageError(f"--etcd: {exc}") from None
     store = EtcdStore(args.etcd, request_timeout=args.timeout, retry_deadline=args.timeout)

@@ -1,19 +1,16 @@
-"""The etcd3 rendezvous backend: torch's backend contract, the c10d store, and plain torchrun."""
+"""The etcd3-state backend (torch's backend contract), the entry points, and plain torchrun on both handlers."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
-import threading
-from datetime import timedelta
 from importlib.metadata import entry_points
 from pathlib import Path
 
 import pytest
-import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import RendezvousParameters, RendezvousStateError
 
-from elastic.rendezvous.backend import Etcd3RendezvousBackend, EtcdC10dStore, create_etcd3_handler
+from elastic.rendezvous.backend import Etcd3RendezvousBackend, create_etcd3_handler
 from elastic.control.store import EtcdStore
 
 WORKER = Path(__file__).parent / "workers" / "allreduce.py"
@@ -25,7 +22,7 @@ def backend(etcd_endpoint) -> Etcd3RendezvousBackend:
 
 
 def test_absent_state_is_none(backend):
-    assert backend.name == "etcd3"
+    assert backend.name == "etcd3-state"
     assert backend.get_state() is None
 
 
@@ -77,39 +74,26 @@ def test_runs_are_isolated(etcd_endpoint):
     assert b.get_state() is None
 
 
-def test_c10d_store_ops(etcd_endpoint):
-    store = EtcdC10dStore(EtcdStore(etcd_endpoint), "/test/c10d", timeout=timedelta(seconds=5))
-    store.set("k", "v")
-    assert store.get("k") == b"v"
-    store.set("bytes", b"\x00\x01")
-    assert store.get("bytes") == b"\x00\x01"
-    assert store.add("n", 2) == 2 and store.add("n", 3) == 5
-    assert store.check(["k", "n"]) and not store.check(["k", "missing"])
-    assert store.num_keys() == 3
-    assert store.delete_key("k") and not store.check(["k"])
-    # get blocks until another party sets the key (c10d contract).
-    threading.Timer(0.3, lambda: store.set("late", "here")).start()
-    assert store.get("late") == b"here"
-    with pytest.raises(dist.DistStoreError):
-        store.wait(["never"], timedelta(seconds=0.5))
-
-
 def test_handler_registered_through_entry_point():
     names = {ep.name: ep.value for ep in entry_points(group="torchrun.handlers")}
     assert names.get("etcd3") == "elastic.rendezvous.plugin:handler_factory"
+    assert names.get("etcd3-state") == "elastic.rendezvous.plugin:state_handler_factory"
 
 
 def test_handler_reports_bad_endpoint():
-    params = RendezvousParameters(backend="etcd3", endpoint="127.0.0.1:notaport", run_id="r", min_nodes=1, max_nodes=1)
+    params = RendezvousParameters(backend="etcd3-state", endpoint="127.0.0.1:notaport", run_id="r", min_nodes=1,
+                                  max_nodes=1)
     with pytest.raises(ValueError, match="rdzv-endpoint"):
         create_etcd3_handler(params)
 
 
 @pytest.mark.slow
-def test_plain_torchrun_two_nodes(etcd_endpoint, tmp_path, subprocess_env):
-    """Two torchrun agents (one per 'node') meet through the etcd3 backend and all-reduce."""
+@pytest.mark.parametrize("backend", ["etcd3", "etcd3-state"])
+def test_plain_torchrun_two_nodes(etcd_endpoint, tmp_path, subprocess_env, backend):
+    """Two torchrun agents (one per 'node') meet through the backend and all-reduce; the agents
+    share their store with the workers (torch's default), so rank 0's agent hosts it."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
-           "--rdzv-backend=etcd3", f"--rdzv-endpoint={etcd_endpoint}", "--rdzv-id=plain",
+           f"--rdzv-backend={backend}", f"--rdzv-endpoint={etcd_endpoint}", "--rdzv-id=plain",
            "--rdzv-conf=last_call_timeout=1", "--local-addr=127.0.0.1", "--max-restarts=0",
            str(WORKER), str(tmp_path)]
     procs = [subprocess.Popen(cmd, env=subprocess_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)

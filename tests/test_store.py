@@ -47,20 +47,6 @@ def test_compare_and_swap_create_only_and_fencing(store):
     assert not ok and current is None
 
 
-def test_add_is_atomic_under_concurrency(etcd_endpoint):
-    def bump():
-        local = EtcdStore(etcd_endpoint)
-        for _ in range(10):
-            local.add("/counter", 1)
-
-    threads = [threading.Thread(target=bump) for _ in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert int(EtcdStore(etcd_endpoint).get("/counter").value) == 40
-
-
 def test_lease_expiry_removes_key(store):
     lease = store.grant_lease(1)
     store.put("/leased", b"x", lease=lease)

@@ -90,11 +90,11 @@ class ServerTLS:
 
 
 class EmbeddedEtcd:
-    """A single-member etcd on 127.0.0.1 with short raft timings.
+    """One etcd member on 127.0.0.1: a single-member cluster unless ``initial_cluster`` names peers.
 
-    ``--heartbeat-interval=10 --election-timeout=100`` makes a fresh single
-    node elect itself in ~0.1 s instead of ~1 s; it is safe because there is
-    no second member to disagree with.
+    Alone, ``--heartbeat-interval=10 --election-timeout=100`` makes a fresh node elect itself in
+    ~0.1 s instead of ~1 s; it is safe because there is no second member to disagree with.
+    Members of a cluster (:class:`~elastic.control.etcd_cluster.EtcdCluster`) get longer timings.
     """
 
     def __init__(
@@ -105,11 +105,18 @@ class EmbeddedEtcd:
         name: str = "elastic-local",
         tls: ServerTLS | None = None,
         auth_token_ttl_s: int | None = None,
+        peer_port: int | None = None,
+        initial_cluster: str | None = None,
+        raft_ms: tuple[int, int] = (10, 100),
     ) -> None:
         self._own_dir = data_dir is None
         self.data_dir = Path(data_dir) if data_dir else Path(tempfile.mkdtemp(prefix="etcd-"))
         self.client_port = client_port or free_port()
-        self.peer_port = free_port()
+        self.peer_port = peer_port or free_port()
+        self.initial_cluster = initial_cluster
+        """``name=peer_url,...`` of every member; None for a single-member cluster."""
+        self.raft_ms = raft_ms
+        """(heartbeat interval, election timeout) in milliseconds."""
         self.name = name
         self.log_path = Path(log_path) if log_path else self.data_dir.parent / f"{self.data_dir.name}.log"
         self.proc: subprocess.Popen[bytes] | None = None
@@ -128,9 +135,13 @@ class EmbeddedEtcd:
     def client_url(self) -> str:
         return f"{'https' if self.tls else 'http'}://{self.endpoint}"
 
+    @property
+    def peer_url(self) -> str:
+        return f"http://127.0.0.1:{self.peer_port}"
+
     def command(self) -> list[str]:
         client_url = self.client_url
-        peer_url = f"http://127.0.0.1:{self.peer_port}"
+        peer_url = self.peer_url
         secure: list[str] = []
         if self.tls is not None:
             secure += ["--cert-file", self.tls.cert_file, "--key-file", self.tls.key_file,
@@ -145,9 +156,10 @@ class EmbeddedEtcd:
             "--advertise-client-urls", client_url,
             "--listen-peer-urls", peer_url,
             "--initial-advertise-peer-urls", peer_url,
-            "--initial-cluster", f"{self.name}={peer_url}",
-            "--heartbeat-interval", "10",
-            "--election-timeout", "100",
+            "--initial-cluster", self.initial_cluster or f"{self.name}={peer_url}",
+            "--initial-cluster-token", "elastic-local",
+            "--heartbeat-interval", str(self.raft_ms[0]),
+            "--election-timeout", str(self.raft_ms[1]),
             "--log-level", "warn",
             *secure,
         ]
@@ -156,6 +168,12 @@ class EmbeddedEtcd:
         """Start the server (or restart it on the same data dir) and wait until healthy."""
         if self.proc is not None and self.proc.poll() is None:
             return self.endpoint
+        self.spawn(parent_death_signal)
+        self.wait_healthy(timeout)
+        return self.endpoint
+
+    def spawn(self, parent_death_signal: int | None = None) -> None:
+        """Start the process without waiting (a cluster member is healthy only once a quorum runs)."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab")
         # Own session: Ctrl-C in the launcher's terminal must not kill etcd before the
@@ -169,10 +187,8 @@ class EmbeddedEtcd:
             self.command(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=preexec
         )
         log.close()
-        self._wait_healthy(timeout)
-        return self.endpoint
 
-    def _wait_healthy(self, timeout: float) -> None:
+    def wait_healthy(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         url = f"{self.client_url}/health"
         context = self._ssl_context()

@@ -16,9 +16,15 @@ can be listed, inspected (``elastic status``) and cleaned up as one prefix range
     admission/{token,fingerprint}
     checkpoint/latest          newest committed checkpoint (a hint; disk is the truth)
     torchft/{lighthouse,finished}
-    rdzv/...                   torchrun rendezvous (per rendezvous id)
     gen/<epoch>/<g>/...        in-process re-formation of generation g of an epoch (members, joins,
                                lost nodes, plan, the c10d store of the generation's process groups)
+    rdzv/closed                the rendezvous was closed (torchrun's set_closed / shutdown)
+    rdzv/latest                number of the newest round that formed (etcd3 barrier handler)
+    rdzv/round/<r>/ctl/        coord (on the coordinator's lease), done (the round record),
+                               master (shared TCPStore address), closed
+    rdzv/round/<r>/join/<node> one join record per node, on the node's lease
+    rdzv/state                 the etcd3-state backend's one state blob (torch's DynamicRendezvous)
+    c10d/<r>/...               the torch Store of round r (rank assignment, exit barrier)
 
 Nothing outside this module formats a run key; callers ask :class:`RunKeys` for it.
 """
@@ -28,7 +34,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 BACKEND_NAME = "etcd3"
-"""The ``--rdzv-backend`` name of this project's torchrun rendezvous handler."""
+"""The ``--rdzv-backend`` name of this project's torchrun rendezvous handler (the barrier handler)."""
+STATE_BACKEND_NAME = "etcd3-state"
+"""The ``--rdzv-backend`` name of torch's DynamicRendezvousHandler over one etcd state key."""
 DEFAULT_KEY_PREFIX = "/elastic"
 
 
@@ -134,9 +142,41 @@ class RunKeys:
         return self._k("rdzv", *parts)
 
     @property
+    def rdzv_state(self) -> str:
+        """The etcd3-state backend's single state key."""
+        return self._k("rdzv", "state")
+
+    @property
+    def rdzv_closed(self) -> str:
+        return self._k("rdzv", "closed")
+
+    @property
+    def rdzv_latest(self) -> str:
+        return self._k("rdzv", "latest")
+
+    def rdzv_round(self, round_: int) -> str:
+        """Prefix of every key of one round.  Zero-padded, so that consecutive rounds are
+        neighbours in key order and one watch range covers two of them."""
+        return self._k("rdzv", "round", f"{round_:08d}", "")
+
+    def rdzv_ctl(self, round_: int, name: str = "") -> str:
+        """``ctl/`` keys of a round (coord, done, master, closed); ``name=""`` is their prefix."""
+        return self.rdzv_round(round_) + "ctl/" + name
+
+    def rdzv_joins(self, round_: int) -> str:
+        return self.rdzv_round(round_) + "join/"
+
+    def rdzv_join(self, round_: int, node: str) -> str:
+        return self.rdzv_joins(round_) + node
+
+    @property
     def c10d_store(self) -> str:
         """Prefix of the torch ``Store`` torchrun's agents share (rank assignment, barriers)."""
         return self._k("c10d")
+
+    def c10d_round(self, round_: int) -> str:
+        """Prefix of the torch ``Store`` of one rendezvous round."""
+        return self._k("c10d", f"{round_:08d}")
 
     # -- in-process generations (elastic.worker.generations) ------------------
     def generation(self, epoch: int, gen: int) -> str:

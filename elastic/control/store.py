@@ -1,32 +1,27 @@
 """The etcd v3 operations the runtime needs, behind one small interface.
 
-Client choice: ``etcd3gw`` (the v3 JSON gateway over HTTP).  Measured on this
-project's hosts (shared/reference/etcd-probe.md): the original ``etcd3`` 0.12
-does not import with current protobuf; the gRPC forks (cslab-etcd3) are ~2x
-faster per op but lock an endpoint out for 300 s after one timeout unless
-carefully configured, and drag in grpcio/protobuf, which conflict with other
-users of protobuf in the same process.  etcd3gw has no protobuf at all,
-reconnects instantly after a server restart, and its one trap -- a long-lived
-watch dies silently when the server restarts -- is avoided here by never
-holding long watches: :meth:`EtcdStore.watch_once` is a bounded single-event
-watch from a known revision, and callers loop over it, re-reading with
-:meth:`get` after every timeout.  Everything outside this module sees only
-:class:`KVStore` and the typed errors below, so the client can be swapped.
+Client: ``etcd3gw`` (the v3 JSON gateway over HTTP), kept after measuring the gRPC client
+``cslab-etcd3`` (benchmarks/etcd_clients.py): gRPC is ~2x faster per request, but the
+rendezvous sends O(1) requests per participant, and on its pattern (a join transaction, then a
+watch on one key) the gateway formed 1024 participants in 4.3 s against 8.2 s for gRPC.  gRPC
+would also bring the forks' 300 s failed-node lockout and a second TLS/auth path
+(shared/reference/etcd-probe.md).  etcd3gw's own watch dies silently with its server, so
+:mod:`elastic.control.watch` streams watches itself.  Callers see only :class:`KVStore` and
+the typed errors below, so the client can be swapped.
 
-Every unary call is retried with jittered exponential backoff (tenacity) for
-up to ``retry_deadline`` seconds on connection errors, so a short etcd outage
-(SIGSTOP, restart) is invisible to callers; longer ones surface as
-:class:`StoreUnavailable`.
+Endpoints ``host:port[,host:port...]``: requests go to one member; when it cannot be reached,
+or says the cluster has no leader for the moment, the store moves to the next member and
+retries, so losing a member (the raft leader included) costs a retry, not an error.  Every
+call is retried with jittered backoff (tenacity) for up to ``retry_deadline`` seconds; longer
+outages surface as :class:`StoreUnavailable`.
 """
 
 from __future__ import annotations
 
-import base64
 import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 import requests
@@ -34,7 +29,13 @@ import tenacity
 from etcd3gw import exceptions as gw_exc
 from etcd3gw.client import Etcd3Client
 
+from elastic.control.codec import KeyValue, WatchEvent, b64, kv_from_json, prefix_end
 from elastic.control.etcd_security import EtcdSecurity, etcd_error_text, short_ssl_reason, ssl_error_in
+from elastic.control.txn import Txn, TxnResult, decode_txn, encode_txn
+from elastic.control.watch import WatchCompacted, WatchStream
+
+__all__ = ["KeyValue", "WatchEvent", "KVStore", "EtcdStore", "LeaseKeeper", "StoreError", "StoreUnavailable",
+           "StoreTimeout", "LeaseExpired", "StoreAuthError", "StoreTLSError", "parse_endpoint", "parse_endpoints"]
 
 log = logging.getLogger(__name__)
 
@@ -65,27 +66,20 @@ class StoreTLSError(StoreError):
     """The TLS handshake with etcd failed (no or untrusted client cert, unknown CA); not retried."""
 
 
-@dataclass(frozen=True, slots=True)
-class KeyValue:
-    key: str
-    value: bytes
-    mod_revision: int
-    create_revision: int
-    version: int
-    lease: int
-
-
-@dataclass(frozen=True, slots=True)
-class WatchEvent:
-    key: str
-    value: bytes | None  # None for a delete
-    mod_revision: int
-
-
 class KVStore(Protocol):
     """The subset of etcd v3 the runtime relies on."""
 
     def get(self, key: str) -> KeyValue | None: ...
+    def read(self, key: str) -> tuple[KeyValue | None, int]:
+        """``key`` (or None) and the store revision it was read at: watch from revision + 1."""
+        resp = self._post("/kv/range", {"key": b64(key)}, f"get {key}")
+        kvs = resp.get("kvs") or []
+        return (kv_from_json(kvs[0]) if kvs else None), int(resp["header"]["revision"])
+
+    def txn(self, txn: Txn) -> TxnResult:
+        """Run one transaction (see :mod:`elastic.control.txn`)."""
+        return decode_txn(txn, self._post("/kv/txn", encode_txn(txn), "txn"))
+
     def get_prefix(self, prefix: str) -> list[KeyValue]: ...
     def put(self, key: str, value: bytes | str, lease: int | None = None) -> int: ...
     def delete(self, key: str) -> bool: ...
@@ -100,36 +94,13 @@ class KVStore(Protocol):
     def revision(self) -> int: ...
 
 
-def _b64(data: bytes | str) -> str:
-    if isinstance(data, str):
-        data = data.encode()
-    return base64.b64encode(data).decode()
+class _Transient(Exception):
+    """etcd answered, but with an error that passes (no leader during an election): retried."""
 
 
-def _unb64(text: str | None) -> bytes:
-    return base64.b64decode(text) if text else b""
-
-
-def _prefix_end(prefix: str) -> str:
-    """The etcd range_end that selects every key starting with ``prefix``."""
-    raw = bytearray(prefix.encode())
-    for i in range(len(raw) - 1, -1, -1):
-        if raw[i] < 0xFF:
-            raw[i] += 1
-            return _b64(bytes(raw[: i + 1]))
-    return _b64(b"\0")  # all keys
-
-
-def _kv(raw: dict[str, Any]) -> KeyValue:
-    return KeyValue(
-        key=_unb64(raw["key"]).decode(),
-        value=_unb64(raw.get("value")),
-        mod_revision=int(raw.get("mod_revision", 0)),
-        create_revision=int(raw.get("create_revision", 0)),
-        version=int(raw.get("version", 0)),
-        lease=int(raw.get("lease", 0)),
-    )
-
+# Answers of a member that is up while its cluster elects a leader or catches up.
+_TRANSIENT_TEXT = ("leader changed", "no leader", "request timed out", "too many requests", "server stopped",
+                   "unhealthy cluster", "read index", "not started")
 
 _CONNECTION_ERRORS = (
     gw_exc.ConnectionFailedError,
@@ -158,6 +129,14 @@ def parse_endpoint(endpoint: str, default_port: int = 2379) -> tuple[str, int]:
     return host, port_num
 
 
+def parse_endpoints(endpoints: str, default_port: int = 2379) -> list[tuple[str, int]]:
+    """``host:port[,host:port...]`` (the members of one cluster) -> [(host, port)]; ValueError if malformed."""
+    parts = [p for p in endpoints.split(",") if p.strip()]
+    if not parts:
+        raise ValueError(f"bad etcd endpoint {endpoints!r}: expected HOST:PORT[,HOST:PORT...]")
+    return [parse_endpoint(p, default_port) for p in parts]
+
+
 class EtcdStore:
     """:class:`KVStore` over etcd's v3 JSON gateway.
 
@@ -173,7 +152,9 @@ class EtcdStore:
         security: EtcdSecurity | None = None,
     ) -> None:
         self.endpoint = endpoint
-        self.host, self.port = parse_endpoint(endpoint)
+        self.endpoints = parse_endpoints(endpoint)
+        self._current = 0  # index into endpoints of the member in use (see failover)
+        self.requests_sent = 0  # unary requests and watch streams opened (benchmarks report the rate)
         self.request_timeout = request_timeout
         self.retry_deadline = retry_deadline
         # Child processes get TLS / auth settings through ELASTIC_ETCD_* (never argv).
@@ -184,15 +165,40 @@ class EtcdStore:
         self._token_lock = threading.Lock()
 
     # -- plumbing ---------------------------------------------------------
-    def _client(self) -> Etcd3Client:
-        client = getattr(self._local, "client", None)
+    @property
+    def host(self) -> str:
+        return self.endpoints[self._current][0]
+
+    @property
+    def port(self) -> int:
+        return self.endpoints[self._current][1]
+
+    def endpoint_index(self) -> int:
+        return self._current
+
+    def failover(self, index: int) -> None:
+        """Member ``index`` failed: move to the next one (unless another thread already did)."""
+        if len(self.endpoints) > 1 and self._current == index:
+            self._current = (index + 1) % len(self.endpoints)
+            log.warning("etcd member %s:%d failed; using %s:%d", *self.endpoints[index], *self.endpoints[self._current])
+
+    def session_for(self, index: int) -> tuple[requests.Session, str]:
+        """This thread's HTTP session for member ``index`` and that member's ``/v3`` URL."""
+        client = self._client(index)
+        return client.session, client.base_url + "/v3"
+
+    def _client(self, index: int | None = None) -> Etcd3Client:
+        index = self._current if index is None else index
+        clients = self._local.__dict__.setdefault("clients", {})
+        client = clients.get(index)
         if client is None:
+            host, port = self.endpoints[index]
             # api_path given explicitly so construction never makes a network call.
             client = Etcd3Client(
-                host=self.host, port=self.port, protocol=self.security.scheme, timeout=self.request_timeout,
+                host=host, port=port, protocol=self.security.scheme, timeout=self.request_timeout,
                 api_path="/v3/", session=self.security.session(),
             )
-            self._local.client = client
+            clients[index] = client
         if self.security.username:
             client.session.headers["Authorization"] = self._auth_token(client)
         return client
@@ -239,7 +245,7 @@ class EtcdStore:
     def _call(self, what: str, fn: Callable[[Etcd3Client], T], deadline: float | None = None) -> T:
         deadline = self.retry_deadline if deadline is None else deadline
         retrying = tenacity.Retrying(
-            retry=tenacity.retry_if_exception_type(_CONNECTION_ERRORS),
+            retry=tenacity.retry_if_exception_type((*_CONNECTION_ERRORS, _Transient)),
             wait=tenacity.wait_random_exponential(multiplier=0.05, max=1.0),
             # A process that is shutting down must not spend the retry deadline on a dead
             # server (its parent may be gone and etcd with it): one try, then give up.
@@ -248,19 +254,19 @@ class EtcdStore:
         )
 
         def attempt() -> T:
-            client = self._client()
+            index = self._current
             try:
-                return fn(client)
-            except gw_exc.Etcd3Exception as exc:
-                if not (self.security.username and "invalid auth token" in etcd_error_text(exc)):
-                    raise
-            self._drop_token()  # expired or the server restarted: authenticate again, once
-            return fn(self._client())
+                return self._attempt(fn, index)
+            except (*_CONNECTION_ERRORS, _Transient):
+                self.failover(index)
+                raise
 
         try:
             return retrying(lambda: self._guard_tls(what, attempt))
         except _CONNECTION_ERRORS as exc:
             raise StoreUnavailable(self._unreachable(what, exc)) from exc
+        except _Transient as exc:
+            raise StoreUnavailable(f"etcd at {self.endpoint} has no leader during {what}: {exc}") from exc
         except gw_exc.Etcd3Exception as exc:
             typed = self._typed_error(what, exc)
             if typed is not None:
@@ -269,6 +275,21 @@ class EtcdStore:
             if "lease not found" in text or "lease not found" in str(exc):
                 raise LeaseExpired(f"{what}: {text}") from exc
             raise StoreError(f"etcd error during {what}: {text}") from exc
+
+    def _attempt(self, fn: Callable[[Etcd3Client], T], index: int) -> T:
+        client = self._client(index)
+        try:
+            return fn(client)
+        except gw_exc.Etcd3Exception as exc:
+            text = etcd_error_text(exc)
+            if isinstance(exc, (gw_exc.ConnectionFailedError, gw_exc.ConnectionTimeoutError)):
+                raise
+            if any(t in text for t in _TRANSIENT_TEXT):
+                raise _Transient(text) from exc
+            if not (self.security.username and "invalid auth token" in text):
+                raise
+        self._drop_token()  # expired or the server restarted: authenticate again, once
+        return fn(self._client(index))
 
     def _unreachable(self, what: str, exc: Exception) -> str:
         text = etcd_error_text(exc) or type(exc).__name__
@@ -300,40 +321,51 @@ class EtcdStore:
         self._shutting_down.set()
 
     def _post(self, path: str, body: dict[str, Any], what: str, deadline: float | None = None) -> dict[str, Any]:
+        self.requests_sent += 1  # approximate under threads (no lock): for rate reports only
         return self._call(what, lambda c: c.post(c.get_url(path), json=body), deadline)
 
     # -- KV ----------------------------------------------------------------
     def get(self, key: str) -> KeyValue | None:
-        resp = self._post("/kv/range", {"key": _b64(key)}, f"get {key}")
+        resp = self._post("/kv/range", {"key": b64(key)}, f"get {key}")
         kvs = resp.get("kvs") or []
-        return _kv(kvs[0]) if kvs else None
+        return kv_from_json(kvs[0]) if kvs else None
+
+    def read(self, key: str) -> tuple[KeyValue | None, int]:
+        """``key`` (or None) and the store revision it was read at: watch from revision + 1."""
+        resp = self._post("/kv/range", {"key": b64(key)}, f"get {key}")
+        kvs = resp.get("kvs") or []
+        return (kv_from_json(kvs[0]) if kvs else None), int(resp["header"]["revision"])
+
+    def txn(self, txn: Txn) -> TxnResult:
+        """Run one transaction (see :mod:`elastic.control.txn`)."""
+        return decode_txn(txn, self._post("/kv/txn", encode_txn(txn), "txn"))
 
     def get_prefix(self, prefix: str) -> list[KeyValue]:
-        body = {"key": _b64(prefix), "range_end": _prefix_end(prefix), "sort_order": "ASCEND", "sort_target": "KEY"}
+        body = {"key": b64(prefix), "range_end": prefix_end(prefix), "sort_order": "ASCEND", "sort_target": "KEY"}
         resp = self._post("/kv/range", body, f"get_prefix {prefix}")
-        return [_kv(raw) for raw in resp.get("kvs") or []]
+        return [kv_from_json(raw) for raw in resp.get("kvs") or []]
 
     def count_prefix(self, prefix: str) -> int:
-        body = {"key": _b64(prefix), "range_end": _prefix_end(prefix), "count_only": True}
+        body = {"key": b64(prefix), "range_end": prefix_end(prefix), "count_only": True}
         return int(self._post("/kv/range", body, f"count {prefix}").get("count", 0))
 
     def revision(self) -> int:
-        resp = self._post("/kv/range", {"key": _b64("\0"), "count_only": True}, "revision")
+        resp = self._post("/kv/range", {"key": b64("\0"), "count_only": True}, "revision")
         return int(resp["header"]["revision"])
 
     def put(self, key: str, value: bytes | str, lease: int | None = None) -> int:
-        body: dict[str, Any] = {"key": _b64(key), "value": _b64(value)}
+        body: dict[str, Any] = {"key": b64(key), "value": b64(value)}
         if lease:
             body["lease"] = lease
         resp = self._post("/kv/put", body, f"put {key}")
         return int(resp["header"]["revision"])
 
     def delete(self, key: str) -> bool:
-        resp = self._post("/kv/deleterange", {"key": _b64(key)}, f"delete {key}")
+        resp = self._post("/kv/deleterange", {"key": b64(key)}, f"delete {key}")
         return int(resp.get("deleted", 0)) > 0
 
     def delete_prefix(self, prefix: str) -> int:
-        body = {"key": _b64(prefix), "range_end": _prefix_end(prefix)}
+        body = {"key": b64(prefix), "range_end": prefix_end(prefix)}
         return int(self._post("/kv/deleterange", body, f"delete_prefix {prefix}").get("deleted", 0))
 
     def compare_and_swap(
@@ -346,14 +378,14 @@ class EtcdStore:
         success the new revision is filled in; on failure the current value
         (or None if absent) comes back in the same round trip.
         """
-        put: dict[str, Any] = {"key": _b64(key), "value": _b64(value)}
+        put: dict[str, Any] = {"key": b64(key), "value": b64(value)}
         if lease:
             put["lease"] = lease
-        compare = {"key": _b64(key), "result": "EQUAL", "target": "MOD", "mod_revision": expected_mod_revision}
+        compare = {"key": b64(key), "result": "EQUAL", "target": "MOD", "mod_revision": expected_mod_revision}
         txn = {
             "compare": [compare],
             "success": [{"request_put": put}],
-            "failure": [{"request_range": {"key": _b64(key)}}],
+            "failure": [{"request_range": {"key": b64(key)}}],
         }
         resp = self._post("/kv/txn", txn, f"cas {key}")
         if resp.get("succeeded"):
@@ -362,16 +394,7 @@ class EtcdStore:
             return True, KeyValue(key, data, mod_revision=rev, create_revision=0, version=0, lease=lease or 0)
         responses = resp.get("responses") or [{}]
         kvs = responses[0].get("response_range", {}).get("kvs") or []
-        return False, (_kv(kvs[0]) if kvs else None)
-
-    def add(self, key: str, amount: int) -> int:
-        """Atomically add to an integer counter stored as decimal text."""
-        while True:
-            current = self.get(key)
-            base = int(current.value) if current else 0
-            ok, _ = self.compare_and_swap(key, str(base + amount), current.mod_revision if current else 0)
-            if ok:
-                return base + amount
+        return False, (kv_from_json(kvs[0]) if kvs else None)
 
     # -- leases ------------------------------------------------------------
     def grant_lease(self, ttl: int) -> int:
@@ -392,51 +415,46 @@ class EtcdStore:
             pass
 
     # -- watch -------------------------------------------------------------
-    def watch_once(self, key: str, start_revision: int, timeout: float, prefix: bool = False) -> WatchEvent | None:
-        """First change to ``key`` (or the prefix) at or after ``start_revision``; None on timeout.
+    def watch(self, key: str, start_revision: int, prefix: bool = False, range_end: str | None = None,
+              idle_s: float = 30.0) -> WatchStream:
+        """Every change to ``key`` (its prefix, or [key, range_end)) from ``start_revision`` on.
 
-        Bounded and from an explicit revision, so no event is missed between
-        a read and the watch, and a server restart costs one timeout rather
-        than a silently dead watch.
+        The stream survives the loss of the member it reads from (see :mod:`elastic.control.watch`);
+        close it when done.
         """
-        kwargs: dict[str, Any] = {"start_revision": start_revision}
-        if prefix:
-            kwargs["range_end"] = base64.b64decode(_prefix_end(key)).decode(errors="surrogateescape")
-        try:
-            event = self._client().watch_once(key, timeout=timeout, **kwargs)
-        except gw_exc.WatchTimedOut:
-            return None
-        except _CONNECTION_ERRORS as exc:
-            typed = self._typed_error(f"watch {key}", exc)
-            if typed is not None:
-                raise typed from None
-            raise StoreUnavailable(self._unreachable(f"watch {key}", exc)) from exc
-        # etcd3gw has already base64-decoded key and value of watch events.
-        kv = event.get("kv", {})
-        deleted = event.get("type") == "DELETE"
-        raw_key = kv.get("key", key.encode())
-        return WatchEvent(
-            key=raw_key.decode() if isinstance(raw_key, bytes) else str(raw_key),
-            value=None if deleted else bytes(kv.get("value", b"")),
-            mod_revision=int(kv.get("mod_revision", 0)),
-        )
+        return WatchStream(self, key, start_revision, prefix=prefix, idle_s=idle_s, range_end=range_end)
+
+    def watch_once(self, key: str, start_revision: int, timeout: float, prefix: bool = False) -> WatchEvent | None:
+        """First change to ``key`` (or the prefix) at or after ``start_revision``; None on timeout."""
+        with self.watch(key, start_revision, prefix=prefix, idle_s=max(timeout + 1.0, 5.0)) as stream:
+            try:
+                batch = stream.get(timeout)
+            except WatchCompacted:
+                return None  # the caller re-reads, as after a timeout
+        return batch[0] if batch else None
 
     def wait_for_key(self, key: str, timeout: float, poll: float = 1.0) -> KeyValue:
-        """Block until ``key`` exists; StoreTimeout after ``timeout`` seconds."""
-
+        """Block until ``key`` exists (a read, then a watch: ``poll`` is unused); else StoreTimeout."""
         deadline = time.monotonic() + timeout
         while True:
-            kv = self.get(key)
+            kv, rev = self.read(key)
             if kv is not None:
                 return kv
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise StoreTimeout(f"key {key} did not appear within {timeout:.1f}s")
             try:
-                rev = self.revision()
-                self.watch_once(key, rev + 1, min(poll, remaining))
-            except StoreUnavailable:
-                time.sleep(min(0.2, max(remaining, 0)))
+                found = self._watch_for_put(key, rev + 1, deadline)
+            except WatchCompacted:
+                continue
+            if found is not None:
+                return found
+            raise StoreTimeout(f"key {key} did not appear within {timeout:.1f}s")
+
+    def _watch_for_put(self, key: str, start_revision: int, deadline: float) -> KeyValue | None:
+        with self.watch(key, start_revision) as stream:
+            while (remaining := deadline - time.monotonic()) > 0:
+                for event in stream.get(remaining) or []:
+                    if event.value is not None:
+                        return KeyValue(event.key, event.value, event.mod_revision, 0, 0, 0)
+        return None
 
 
 class LeaseKeeper:

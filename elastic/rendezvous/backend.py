@@ -1,4 +1,4 @@
-"""torchrun rendezvous on etcd v3.
+"""torch's own rendezvous semantics on etcd v3: the ``etcd3-state`` backend.
 
 torch ships etcd rendezvous backends only for the etcd **v2** API, which
 etcd 3.6 removed.  This module provides the v3 equivalent for torch's
@@ -7,12 +7,14 @@ etcd 3.6 removed.  This module provides the v3 equivalent for torch's
 * :class:`Etcd3RendezvousBackend` -- the ``RendezvousBackend`` (get_state /
   set_state with a fencing token).  The token is the state key's etcd
   ``mod_revision``; ``set_state`` is one compare-and-swap transaction.
-* :class:`EtcdC10dStore` -- a ``torch.distributed.Store`` on etcd, handed to
-  the agents for rank assignment, master address exchange and exit barriers.
-* :func:`create_etcd3_handler` -- registered (via :mod:`elastic.rendezvous.plugin`) under the ``torchrun.handlers`` entry
-  point as ``etcd3``, so plain
-  ``torchrun --rdzv-backend=etcd3 --rdzv-endpoint=127.0.0.1:2379 --rdzv-id=RUN``
-  works with this package installed, inside or outside ``elastic-launch``.
+* :func:`create_etcd3_handler` -- registered (via :mod:`elastic.rendezvous.plugin`) under the
+  ``torchrun.handlers`` entry point as ``etcd3-state``.
+
+When to use it: never for more than a few dozen nodes.  Every participant rewrites the one
+state key (joins and every keep-alive), so conflicts grow with the square of the node count
+(64 nodes form in ~3 s, 256 do not form at torch's default timings).  It is here for runs that
+want torch's exact ``DynamicRendezvousHandler`` behaviour; the default ``etcd3`` backend
+(:mod:`elastic.rendezvous.barrier`) scales and is what elastic-launch uses.
 
 Backend semantics follow torch's own backends exactly: absent state -> None;
 a stale or invalid token -> the current state and ``False``; a state that
@@ -21,7 +23,8 @@ cannot be decoded -> :class:`RendezvousStateError`; etcd unreachable ->
 
 ``--rdzv-conf`` keys understood here (besides torch's own join/last_call/
 close/heartbeat timeouts): ``key_prefix`` (default ``/elastic``),
-``request_timeout`` and ``retry_deadline`` (seconds, etcd client), and for a
+``request_timeout`` (default 10) and ``retry_deadline`` (default 60, torch's c10d read timeout;
+seconds, etcd client), and for a
 secured etcd ``etcd_ca_file``, ``etcd_cert_file``, ``etcd_key_file``,
 ``etcd_user`` and ``etcd_password_env`` (the *name* of the variable that holds
 the password, default ``ELASTIC_ETCD_PASSWORD``; a password on torchrun's
@@ -35,10 +38,6 @@ import base64
 import binascii
 import random
 import time
-from datetime import timedelta
-from typing import Any
-
-import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import (
     RendezvousConnectionError,
     RendezvousHandler,
@@ -48,8 +47,9 @@ from torch.distributed.elastic.rendezvous import (
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend, Token, create_handler
 
 from elastic.control.etcd_security import EtcdSecurity
-from elastic.control.keys import BACKEND_NAME, DEFAULT_KEY_PREFIX, RunKeys
-from elastic.control.store import EtcdStore, StoreError, StoreTimeout, StoreUnavailable
+from elastic.control.keys import DEFAULT_KEY_PREFIX, STATE_BACKEND_NAME, RunKeys
+from elastic.control.store import EtcdStore, StoreError
+from elastic.rendezvous.c10d_store import EtcdC10dStore
 
 # Stored value = magic + base64(pickled state).  The magic makes a foreign or
 # truncated value detectable before torch tries to unpickle it.
@@ -65,12 +65,12 @@ class Etcd3RendezvousBackend(RendezvousBackend):
         if not run_id:
             raise ValueError("The run id must be a non-empty string.")
         self._store = store
-        self._key = RunKeys.of(key_prefix, run_id).rdzv("state")
+        self._key = RunKeys.of(key_prefix, run_id).rdzv_state
         self._conflicts = 0  # consecutive lost compare-and-swaps (see _back_off)
 
     @property
     def name(self) -> str:
-        return BACKEND_NAME
+        return STATE_BACKEND_NAME
 
     @property
     def key(self) -> str:
@@ -143,92 +143,27 @@ def _decode_state(raw: bytes) -> bytes:
         raise RendezvousStateError("The state object is corrupt. See inner exception for details.") from exc
 
 
-class EtcdC10dStore(dist.Store):
-    """A ``torch.distributed.Store`` whose keys live under one etcd prefix.
-
-    ``get`` and ``wait`` block (up to the store timeout) until the key exists,
-    as the c10d contract requires; they wait with bounded watches rather than
-    busy polling.  Used only by the torchrun agents (a handful of keys per
-    rendezvous round), never by training collectives.
-    """
-
-    def __init__(self, store: EtcdStore, prefix: str, timeout: timedelta = timedelta(seconds=300)) -> None:
-        super().__init__()
-        self._store = store
-        self._prefix = prefix.rstrip("/") + "/"
-        self.set_timeout(timeout)
-
-    def _k(self, key: str) -> str:
-        return self._prefix + key
-
-    def set(self, key: str, value: Any) -> None:
-        self._guard(lambda: self._store.put(self._k(key), _as_bytes(value)))
-
-    def get(self, key: str) -> bytes:
-        return self._wait_one(key, self.timeout).value
-
-    def add(self, key: str, value: int) -> int:
-        return self._guard(lambda: self._store.add(self._k(key), int(value)))
-
-    def check(self, keys: list[str]) -> bool:
-        return all(self._guard(lambda k=k: self._store.get(self._k(k))) is not None for k in keys)
-
-    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
-        budget = timeout if timeout is not None else self.timeout
-        deadline = time.monotonic() + budget.total_seconds()
-        for key in keys:
-            remaining = max(deadline - time.monotonic(), 0.0)
-            self._wait_one(key, timedelta(seconds=remaining))
-
-    def delete_key(self, key: str) -> bool:
-        return self._guard(lambda: self._store.delete(self._k(key)))
-
-    def num_keys(self) -> int:
-        return self._guard(lambda: self._store.count_prefix(self._prefix))
-
-    def _wait_one(self, key: str, timeout: timedelta):
-        try:
-            return self._store.wait_for_key(self._k(key), timeout.total_seconds())
-        except StoreTimeout as exc:
-            # c10d callers (store_util.barrier, get) expect a timeout to surface as an error
-            # they can report; DistStoreError is what TCPStore raises.
-            raise dist.DistStoreError(f"Timeout waiting for key {key!r} in the etcd store") from exc
-        except StoreUnavailable as exc:
-            raise RendezvousConnectionError(f"etcd unreachable while waiting for {key!r}") from exc
-
-    @staticmethod
-    def _guard(fn):
-        try:
-            return fn()
-        except StoreError as exc:
-            raise RendezvousConnectionError(
-                "The connection to etcd has failed. See inner exception for details."
-            ) from exc
-
-
-def _as_bytes(value: Any) -> bytes:
-    if isinstance(value, (bytes, bytearray)):
-        return bytes(value)
-    if isinstance(value, str):
-        return value.encode()
-    if isinstance(value, list):  # c10d passes std::vector<uint8_t> as a list of ints
-        return bytes(value)
-    return str(value).encode()
-
-
-def create_etcd3_handler(params: RendezvousParameters) -> RendezvousHandler:
-    """Creator registered with torchrun: endpoint + run id -> DynamicRendezvousHandler."""
+def store_from_params(params: RendezvousParameters) -> EtcdStore:
+    """The etcd store of ``--rdzv-endpoint`` (``host:port[,host:port...]``) and ``--rdzv-conf``."""
     endpoint = params.endpoint or "127.0.0.1:2379"
-    request_timeout = float(params.get("request_timeout", 5) or 5)
-    retry_deadline = float(params.get("retry_deadline", 15) or 15)
-    key_prefix = params.get("key_prefix", DEFAULT_KEY_PREFIX) or DEFAULT_KEY_PREFIX
+    # A busy etcd (1,000 agents joining at once) may take seconds to answer: a participant that
+    # gave up after a few retries would hold up the whole round.  An etcd that stays down still
+    # surfaces as RendezvousConnectionError, after a minute as on torch's c10d store.
+    request_timeout = float(params.get("request_timeout", 10) or 10)
+    retry_deadline = float(params.get("retry_deadline", 60) or 60)
     # TLS paths and the user come as --rdzv-conf keys, the password only from the environment.
     security = EtcdSecurity.from_rdzv_conf(params.get)
     try:
-        store = EtcdStore(endpoint, request_timeout=request_timeout, retry_deadline=retry_deadline,
-                          security=security)
+        return EtcdStore(endpoint, request_timeout=request_timeout, retry_deadline=retry_deadline,
+                         security=security)
     except ValueError as exc:
         raise ValueError(f"--rdzv-endpoint: {exc}") from None
+
+
+def create_etcd3_handler(params: RendezvousParameters) -> RendezvousHandler:
+    """Creator registered with torchrun as ``etcd3-state``: DynamicRendezvousHandler over one state key."""
+    key_prefix = params.get("key_prefix", DEFAULT_KEY_PREFIX) or DEFAULT_KEY_PREFIX
+    store = store_from_params(params)
     backend = Etcd3RendezvousBackend(store, params.run_id, key_prefix)
     c10d_store = EtcdC10dStore(store, RunKeys.of(key_prefix, params.run_id).c10d_store)
     return create_handler(c10d_store, backend, params)

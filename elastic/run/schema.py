@@ -82,7 +82,11 @@ class LaunchConfig:
     """Number of nodes, "N" or elastic "MIN:MAX"."""
     nproc_per_node: int = 1
     etcd_endpoint: str | None = None
-    """host:port of the run's etcd; empty -> local mode with an embedded etcd."""
+    """host:port of the run's etcd (host:port,host:port,... for every member of a cluster);
+    empty -> local mode with an embedded etcd."""
+    etcd_members: int = 1
+    """Local mode: members of the embedded etcd cluster, 1 or 3.  Three survive the loss of one
+    member (the raft leader included) without the run noticing."""
     node_id: str | None = None
     """This node's id in cluster mode (default: the hostname)."""
     local_addr: str | None = None
@@ -104,6 +108,10 @@ class LaunchConfig:
             raise ConfigError("nodes", str(exc)) from None
         if self.nproc_per_node < 1:
             raise ConfigError("nproc_per_node", "must be >= 1")
+        if self.etcd_members not in (1, 3):
+            raise ConfigError("etcd_members", f"must be 1 or 3, got {self.etcd_members}")
+        if self.etcd_members != 1 and self.etcd_endpoint:
+            raise ConfigError("etcd_members", "only for local mode (the embedded etcd); etcd_endpoint is set")
         if self.workload and self.entrypoint:
             raise ConfigError("entrypoint", f"give launch.workload or launch.entrypoint, not both "
                                             f"(workload {self.workload!r})")
