@@ -56,7 +56,7 @@ class _CountOps(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
-        if name in MATMULS and type(args[0]) is not torch.Tensor:
+        if name in MATMULS and type(args[0]) not in (torch.Tensor, nn.Parameter):
             name = f"{name}[{type(args[0]).__name__}]"  # a tensor subclass's op: FP8 inside, not counted as bf16
         self.ops[name] += 1
         if name in MATMULS:
