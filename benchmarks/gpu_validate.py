@@ -81,7 +81,7 @@ def environment(device: torch.device) -> dict[str, Any]:
 
 def init_group(device: torch.device) -> None:
     """A one-rank default group on the compute device's own backend (as the trainers use)."""
-    from trainer.collectives import backend_for
+    from elastic.common.collectives import backend_for
 
     dist.init_process_group(backend_for(device), store=dist.HashStore(), rank=0, world_size=1,
                             device_id=device if device.type == "cuda" else None)
@@ -247,7 +247,8 @@ def dit_step(device: torch.device, steps: int) -> dict[str, Any]:
 
 def collectives(device: torch.device) -> dict[str, Any]:
     from elastic.checkpoint.memory import decode_state, encode_state
-    from trainer.collectives import StepSync, all_finite, broadcast_flag, served_device_types
+    from elastic.common.collectives import check_device, served_device_types
+    from trainer.collectives import all_finite, broadcast_flag
     from trainer.ulysses import ulysses_all_to_all
 
     x = torch.randn(2, 8, 1, 4, 6, device=device, requires_grad=True)
@@ -258,13 +259,21 @@ def collectives(device: torch.device) -> dict[str, Any]:
     out = {
         "backend": str(dist.get_backend()), "served": sorted(served_device_types() or []),
         "all_finite": all_finite(torch.tensor(1.0, device=device)) and not all_finite(torch.tensor(float("nan"), device=device)),
-        "step_sync_s": round(StepSync(device).wait(), 6), "broadcast_flag": broadcast_flag(True),
+        "step_sync": _step_sync(device, check_device), "broadcast_flag": broadcast_flag(True),
         "ulysses_all_to_all": bool(torch.equal(swapped, x) and torch.equal(x.grad, torch.ones_like(x))),
         "memory_push_device_tensors": bool(torch.equal(tree["w"], state["w"].cpu())
                                            and torch.equal(tree["nested"][0], state["nested"][0].cpu())),
     }
-    out["ok"] = all(out[k] for k in ("all_finite", "broadcast_flag", "ulysses_all_to_all", "memory_push_device_tensors"))
+    out["ok"] = all(out[k] for k in ("all_finite", "step_sync", "broadcast_flag", "ulysses_all_to_all",
+                                     "memory_push_device_tensors"))
     return out
+
+
+def _step_sync(device: torch.device, check_device: Any) -> bool:
+    """The worker session's step sync: a one-element all-reduce on the compute device."""
+    sync = torch.zeros(1, device=device)
+    dist.all_reduce(check_device(sync))
+    return True
 
 
 def _trainer(run_dir: Path, trainer: dict[str, Any], deterministic: bool, kill_at: int | None) -> tuple[int, str | None]:
@@ -272,7 +281,8 @@ def _trainer(run_dir: Path, trainer: dict[str, Any], deterministic: bool, kill_a
 
     run_dir.mkdir(parents=True, exist_ok=True)
     config = run_dir / "config.yaml"
-    config.write_text(yaml.safe_dump({"trainer": trainer, "checkpoint": {"interval_steps": 2, "keep_last": 3},
+    config.write_text(yaml.safe_dump({"launch": {"workload": "dit"}, "trainer": trainer,
+                                      "checkpoint": {"interval_steps": 2, "keep_last": 3},
                                       "fingerprint": ""}))
     if kill_at is not None:
         (run_dir / "faults").mkdir(exist_ok=True)

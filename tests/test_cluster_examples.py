@@ -117,12 +117,12 @@ def test_cluster_mode_launcher_per_host(tmp_path):
 
 def test_64_node_example_has_a_fast_shape_and_the_video_example_splits_the_sequence():
     """256 tokens: no context parallelism, big GEMMs; 16384 tokens: Ulysses cp=8 inside a node."""
-    image = load_config(ROOT / "examples" / "dit-64node.yaml").trainer
+    image = load_run_file(ROOT / "examples" / "dit-64node.yaml").trainer
     assert image.parallel.cp == 1 and image.model.num_tokens == 256
     assert image.micro_batch_size * image.model.num_tokens >= 8192
-    video = load_config(ROOT / "examples" / "dit-video-64node.yaml")
-    assert isinstance(video, DiTRunConfig) and video.trainer.parallel.cp == 8
-    assert video.trainer.model.num_tokens == 16384
+    video = load_run_file(ROOT / "examples" / "dit-video-64node.yaml")
+    assert video.workload().name == "dit" and isinstance(video.trainer, DiTTrainerConfig)
+    assert video.trainer.parallel.cp == 8 and video.trainer.model.num_tokens == 16384
     assert video.trainer.micro_batch_size * video.trainer.model.num_tokens // 8 >= 8192
     for nodes in (63, 64):
         assert video.trainer.check_world(nodes * 8) == (nodes, 8)

@@ -1,4 +1,4 @@
-"""Collectives on the device the process group serves, and the trainer's process setup.
+"""Collectives on the device the process group serves, and the worker's process setup.
 
 NCCL serves only CUDA tensors: a bare ``torch.zeros(1)`` in a collective crashes the first GPU
 run.  A gloo group bound to one device type (``cpu:gloo``, ``cuda:gloo``) fails the same way
@@ -14,15 +14,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from trainer.collectives import (
+from elastic.common.collectives import (
     CollectiveDeviceError,
-    StepSync,
-    all_finite,
+    all_true,
     backend_for,
-    broadcast_flag,
+    check_device,
     group_device,
     served_device_types,
 )
+from trainer.collectives import all_finite, broadcast_flag
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -56,8 +56,8 @@ def test_helpers_work_on_a_group_that_serves_only_the_cpu(group):
     assert served_device_types() == {"cpu"} and group_device() == torch.device("cpu")
     assert all_finite(torch.tensor(1.5)) is True
     assert all_finite(torch.tensor([1.0, float("nan")])) is False
-    assert StepSync(torch.device("cpu")).wait() >= 0
     assert broadcast_flag(True) is True and broadcast_flag(False) is False
+    assert all_true(True, None) is True
 
 
 def test_a_group_for_another_device_type_rejects_the_tensor_as_nccl_would(group):
@@ -69,30 +69,29 @@ def test_a_group_for_another_device_type_rejects_the_tensor_as_nccl_would(group)
     with pytest.raises(CollectiveDeviceError, match="collective tensor on cpu.*serves cuda"):
         all_finite(torch.tensor(1.0))
     with pytest.raises(CollectiveDeviceError):
-        StepSync(torch.device("cpu")).wait()
+        broadcast_flag(True, device=torch.device("cpu"))
 
 
 def test_helpers_put_their_tensors_on_the_given_device_not_the_default(group):
-    """A second device type on a CPU host: meta.  The flag follows the loss, the sync its device,
-    and the check refuses both on a CPU-only group before the backend sees them."""
+    """A second device type on a CPU host: meta.  The flag follows the loss, the broadcast its
+    device, and the check refuses both on a CPU-only group before the backend sees them."""
     group("cpu:gloo")
-    sync = StepSync(torch.device("meta"))
-    assert sync.tensor.device.type == "meta"
-    with pytest.raises(CollectiveDeviceError, match="on meta"):
-        sync.wait()
     with pytest.raises(CollectiveDeviceError, match="on meta"):
         all_finite(torch.zeros((), device="meta"))
+    with pytest.raises(CollectiveDeviceError, match="on meta"):
+        broadcast_flag(True, device=torch.device("meta"))
+    assert check_device(torch.zeros(1)).device.type == "cpu"
 
 
 def test_trainer_process_group_serves_only_the_compute_device(monkeypatch):
-    from trainer.entry import init_worker_process
+    from elastic.worker.session import init_process
 
     for key, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "RANK": "0",
                        "WORLD_SIZE": "1", "LOCAL_RANK": "0"}.items():
         monkeypatch.setenv(key, value)
     threads = torch.get_num_threads()
     try:
-        device, rank, world = init_worker_process()
+        device, rank, world = init_process()
         assert (device.type, rank, world) == ("cpu", 0, 1)
         assert dist.get_backend() == "cpu:gloo" and served_device_types() == {"cpu"}
     finally:
@@ -116,11 +115,12 @@ def restore_determinism(monkeypatch):
 
 
 def test_deterministic_flag_sets_algorithms_workspace_and_attention_backend(restore_determinism):
-    from trainer.entry import CUBLAS_WORKSPACE, parse_trainer_args
+    from elastic.worker.determinism import CUBLAS_WORKSPACE
+    from elastic.worker.session import parse_worker_args
 
-    args = parse_trainer_args("t", ["--config", "c.yaml", "--run-dir", "d"])
+    args = parse_worker_args("t", ["--config", "c.yaml", "--run-dir", "d"])
     assert args.deterministic is False and not torch.are_deterministic_algorithms_enabled()
-    args = parse_trainer_args("t", ["--config", "c.yaml", "--run-dir", "d", "--deterministic"])
+    args = parse_worker_args("t", ["--config", "c.yaml", "--run-dir", "d", "--deterministic"])
     assert args.deterministic is True and torch.are_deterministic_algorithms_enabled()
     assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == CUBLAS_WORKSPACE
     backends = torch.backends.cuda
