@@ -75,12 +75,10 @@ def fp8_supported(device: Any) -> bool:
 class _Gemm:
     """Deterministic ``n x n`` operands on one device and the product in one dtype."""
 
-    def __init__(self, device: Any, dtype: str, n: int, seed: int) -> None:
+    def __init__(self, device: Any, dtype: str, a64: Any, b64: Any) -> None:
         import torch
 
-        gen = torch.Generator(device="cpu").manual_seed(seed)
-        a64 = torch.rand(n, n, generator=gen, dtype=torch.float64) * 2 - 1
-        b64 = torch.rand(n, n, generator=gen, dtype=torch.float64) * 2 - 1
+        n = a64.shape[0]
         self.device, self.dtype, self.n = device, dtype, n
         if dtype == "fp8":
             fp8 = torch.float8_e4m3fn
@@ -127,7 +125,10 @@ def run_gemm_all(devices: list[Any], dtype: str, n: int, seconds: float, corrupt
     """
     import torch
 
-    gemms = [_Gemm(device, dtype, n, seed) for device in devices]
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    a64 = torch.rand(n, n, generator=gen, dtype=torch.float64) * 2 - 1  # one host copy for every device
+    b64 = torch.rand(n, n, generator=gen, dtype=torch.float64) * 2 - 1
+    gemms = [_Gemm(device, dtype, a64, b64) for device in devices]
     tf32 = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32, not TF32
     try:
