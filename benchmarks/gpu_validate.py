@@ -221,6 +221,7 @@ def dit_step(device: torch.device, steps: int) -> dict[str, Any]:
             "fp8": {"enabled": recipe is not None, "recipe": recipe or "tensorwise", "backend": "auto"}})
         torch.manual_seed(0)
         model, _ = build_model(cfg, device)
+        _open_gates(model)
         parallelize(model, cfg.parallel, 1, 1, device.type)
         optim = torch.optim.AdamW(model.parameters(), lr=3e-4)
         gen = torch.Generator().manual_seed(1)
@@ -235,14 +236,25 @@ def dit_step(device: torch.device, steps: int) -> dict[str, Any]:
             optim.zero_grad(set_to_none=True)
             loss.backward()
             optim.step()
-            losses.append(float(loss))  # syncs: the step time includes the device work
+            losses.append(float(loss.detach()))  # syncs: the step time includes the device work
             times.append(time.perf_counter() - start)
         tail = losses[-5:]
-        out[label] = {"final_loss": round(sum(tail) / len(tail), 5), "step_time_ms": round(sorted(times)[len(times) // 2] * 1e3, 3)}
+        out[label] = {"final_loss": sum(tail) / len(tail), "step_time_ms": round(sorted(times)[len(times) // 2] * 1e3, 3)}
     base = out["high_precision"]["final_loss"]
-    out["loss_rel_diff"] = {r: round(abs(out[f"fp8_{r}"]["final_loss"] - base) / base, 5) for r in RECIPES}
+    out["loss_rel_diff"] = {r: float(f"{abs(out[f'fp8_{r}']['final_loss'] - base) / base:.3g}") for r in RECIPES}
     out["ok"] = all(v < 0.1 for v in out["loss_rel_diff"].values())
     return out
+
+
+def _open_gates(model: nn.Module) -> None:
+    """Small random adaLN and output weights instead of adaLN-Zero's zeros: with zero gates the
+    blocks (the FP8 layers) do not reach the loss for the first steps, and the loss agreement
+    would compare nothing."""
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if isinstance(module, nn.Linear) and (name.endswith("adaLN_modulation.1") or name == "final_layer.linear"):
+                module.weight.copy_(torch.randn(module.weight.shape, generator=gen) * 0.02)
 
 
 def collectives(device: torch.device) -> dict[str, Any]:
