@@ -11,6 +11,14 @@ On CPU, FP8 *emulation* is slower than fp32 by design (quantize + dequantize
 + fp32 matmul); it exists to make the numerics testable.  cp=2 on a CPU host
 with few cores measures communication overhead, not a speed-up.
 
+``--ops``: the FP8 layer itself, implementation against implementation, in one run: aten ops
+per forward+backward (eager), ``torch.compile`` graph breaks (dynamo's explain) and kernels
+generated (inductor, CPU backend), ``_scaled_mm`` calls and any high-precision matmul left, and
+the error against an fp64 reference, for ``nn.Linear``, the FP8 layer *before* this change
+(``trainer/fp8.py`` at ``--before-rev``, loaded from git), the current one, and torchao's
+``Float8Linear`` when torchao is installed (plus a 2-rank FSDP2 + Ulysses cp=2 DiT step with
+torchao's layers, to check it fits our parallelism).  See :mod:`benchmarks.fp8_ops`.
+
 ``--gpu``: real ``torch._scaled_mm`` FP8 (e4m3, tensorwise and rowwise scales)
 against bf16 ``torch.mm`` at DiT-XL/2 GEMM shapes (width 1152, MLP 4608,
 256 tokens per 256x256 image), GEMM alone and the full Float8Linear
@@ -18,6 +26,7 @@ forward+backward (dynamic scaling included) vs nn.Linear in bf16.  Needs CUDA
 with compute capability >= 8.9.
 
     python benchmarks/bench_trainer.py [--steps 8] [--warmup 2]
+    python benchmarks/bench_trainer.py --ops [--no-compile] [--before-rev 678c568]
     python benchmarks/bench_trainer.py --gpu [--batch 32]
 """
 
@@ -41,6 +50,9 @@ import torch.multiprocessing as mp
 
 from elastic.common.config import from_dict
 from trainer.dit_config import DiTTrainerConfig
+
+BEFORE_REV = "678c568"
+"""The last commit with the FP8 layer before issue 17 (fp32 rowwise backward, unfused, 2 graph breaks)."""
 
 CPU_MODEL = {"preset": "", "input_size": 16, "in_channels": 4, "patch_size": 2, "hidden_dim": 128, "depth": 4,
              "num_heads": 4, "num_classes": 10}
@@ -209,13 +221,20 @@ def run_gpu(args: argparse.Namespace) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="bench_trainer.py")
     parser.add_argument("--gpu", action="store_true", help="real FP8 _scaled_mm vs bf16 at DiT-XL shapes")
+    parser.add_argument("--ops", action="store_true", help="FP8 layer: op count, graph breaks, kernels, numerics")
+    parser.add_argument("--before-rev", default=BEFORE_REV, help="git revision of trainer/fp8.py for 'before'")
+    parser.add_argument("--no-compile", action="store_true", help="--ops: skip the inductor kernel count")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--batch", type=int, default=None, help="CPU: global batch (default 8); GPU: images (32)")
     parser.add_argument("--threads", type=int, default=1, help="CPU threads per rank")
     parser.add_argument("--iters", type=int, default=50, help="GPU: timed iterations per measurement")
     args = parser.parse_args(argv)
-    if args.gpu:
+    if args.ops:
+        from benchmarks.fp8_ops import run_ops
+
+        result = run_ops(args.before_rev, compile_kernels=not args.no_compile)
+    elif args.gpu:
         args.batch = args.batch or 32
         args.warmup = max(args.warmup, 5)
         result = run_gpu(args)

@@ -20,6 +20,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from diagnostics import checks as registry
+from diagnostics.calibration import Calibration, calibrate, load_calibration
 from diagnostics.readers import HardwareReader, InjectedReader, default_reader
 from diagnostics.report import Report
 from diagnostics.thresholds import Thresholds, load_thresholds
@@ -41,13 +42,16 @@ def run_screen(
     checks: Iterable[str] | None = None,
     reader: HardwareReader | None = None,
     host: str | None = None,
+    calibration: Calibration | str | os.PathLike[str] | None = None,
 ) -> Report:
     """Run ``checks`` (default: all registered) and return the :class:`Report`.
 
     ``config`` is a :class:`Thresholds`, a YAML path or a dict (ConfigError on a
     bad field); ``inject`` a YAML path or dict overlaid on the host readings
     (default: ``$ELASTIC_DIAG_INJECT``); ``reader`` replaces the host reader
-    entirely (``inject`` is then overlaid on it).
+    entirely (``inject`` is then overlaid on it).  ``calibration`` (a :class:`Calibration` or a
+    file from ``diag calibrate``; default: the thresholds' ``calibration`` path) replaces the
+    datasheet figures for the measurements it covers (CalibrationError on a bad file).
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -57,6 +61,10 @@ def run_screen(
     elif inject is not None:
         reader = InjectedReader.from_file(reader, inject) if not isinstance(inject, Mapping) else InjectedReader(reader, inject)
     names = [registry.resolve(n) for n in checks] if checks is not None else registry.all_names()
+    if calibration is None and thresholds.calibration:
+        calibration = thresholds.calibration
+    if calibration is not None and not isinstance(calibration, Calibration):
+        calibration = load_calibration(calibration)
     ctx = registry.Context(
         mode=mode,
         thresholds=thresholds,
@@ -64,11 +72,30 @@ def run_screen(
         etcd_endpoint=etcd_endpoint,
         ckpt_dir=os.fspath(ckpt_dir) if ckpt_dir is not None else None,
         host=host or socket.gethostname(),
+        calibration=calibration,
     )
     ts = time.time()
     start = time.perf_counter()
     results = [registry.get(name)(ctx) for name in names]
     return Report(host=ctx.host, ts=ts, mode=mode, checks=results, duration_s=time.perf_counter() - start)
+
+
+def run_calibration(mode: str = "quick", checks: Iterable[str] | None = None, repeats: int = 5,
+                    config: Thresholds | str | os.PathLike[str] | dict[str, Any] | None = None,
+                    reader: HardwareReader | None = None) -> Calibration:
+    """``repeats`` screens of the calibrating checks (gemm, membw, collective by default) on this
+    (known-good) node, summarised per check, size and dtype; see :mod:`diagnostics.calibration`."""
+    from diagnostics.calibration import CHECKS
+
+    thresholds = config if isinstance(config, Thresholds) else load_thresholds(config)
+    names = list(checks) if checks is not None else list(CHECKS)
+    # No calibration while calibrating: every measurement is judged against the datasheet only.
+    thresholds.calibration = ""
+
+    def screen(only: list[str]) -> Report:
+        return run_screen(mode, config=thresholds, checks=only, reader=reader)
+
+    return calibrate(screen, names, repeats, mode)
 
 
 def exclude_if_failed(report: Report, store: Any, run_prefix: str, node_id: str, ttl_s: float | None) -> bool:

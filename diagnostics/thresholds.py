@@ -14,14 +14,20 @@ Where the numbers come from (``shared/reference/anchors.md`` section 4):
 * Meta GCM: ECC uncorrected volatile must be 0, corrected volatile <= 50,000,000,
   retired pages <= 10, any pending or failed row remap is critical, GPU count 8,
   and the non-critical Xid set {13, 31, 43, 45, 63, 68, 92, 109}.
-* FP32 (non-tensor-core) peaks, the A100 and H100 PCIe figures and the
+* FP32 (non-tensor-core) peaks, the A100, PCIe, NVL and GH200 figures and the
   temperature limits are vendor spec-sheet figures or project choices, not
   anchored; they are marked ``[spec]`` / ``[choice]`` below.
 
-A ``ModelSpec`` holds *peak* figures; burn-in checks compare the measured value
-with ``warn_fraction`` / ``fail_fraction`` of the peak.  On a host without GPUs
-the ``cpu`` spec is used: small floors that only catch a broken or badly
-contended host, never a benchmark ranking.
+A ``ModelSpec`` holds *peak* figures.  The burn-in checks judge a measurement
+against a **calibration** first: ``diag calibrate`` on known-good nodes writes,
+per check, size and dtype, the median and spread of repeated runs
+(:mod:`diagnostics.calibration`), and ``calibration: FILE`` (or ``--calibration``)
+makes those medians the expectation, with ``calibrated_warn_fraction`` /
+``calibrated_fail_fraction``.  Only without one are datasheet peaks used, with
+fractions low enough for what a healthy part reaches in a short screen (a healthy
+H100 does ~600-750 of its 989 bf16 TFLOPS at 4096^3, ~1,100-1,300 of 1979 in FP8).
+On a host without GPUs the ``cpu`` spec is used: small floors that only catch a
+broken or badly contended host, never a benchmark ranking.
 """
 
 from __future__ import annotations
@@ -38,9 +44,11 @@ from elastic.common.config import ConfigError, from_dict
 
 @dataclass(kw_only=True, slots=True)
 class ModelSpec:
-    """Peak figures of one device model; ``match`` is a substring of the NVML name."""
+    """Peak figures of one device model, matched by its exact NVML device name(s)."""
 
-    match: str
+    names: list[str] = field(default_factory=list)
+    """NVML device names of this model, compared exactly (case and spacing aside): a substring
+    match took "NVIDIA GH200 ..." for an H200 and PCIe / NVL parts for the SXM part."""
     #: GPUs per node expected for this model (None: do not check the count).
     expected_count: int | None = None
     fp32_tflops: float | None = None
@@ -54,30 +62,57 @@ class ModelSpec:
     allreduce_busbw_gbps: float | None = None
 
     def __post_init__(self) -> None:
-        if not self.match:
-            raise ConfigError("match", "must be a non-empty substring of the device name")
+        if not self.names or not all(isinstance(n, str) and n.strip() for n in self.names):
+            raise ConfigError("names", "must list the exact NVML device name(s) of the model")
         for name in ("fp32_tflops", "bf16_tflops", "fp8_tflops", "membw_gbps", "allreduce_busbw_gbps"):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ConfigError(name, f"must be positive, got {value}")
 
+    def matches(self, device_name: str) -> bool:
+        return normalize_name(device_name) in {normalize_name(n) for n in self.names}
+
+
+def normalize_name(name: str) -> str:
+    """NVML names compared case-insensitively with runs of spaces collapsed."""
+    return " ".join(name.lower().split())
+
 
 def _default_models() -> dict[str, ModelSpec]:
+    # NVML names as nvidia-smi prints them.  Figures: anchors section 4 where marked, else
+    # vendor spec sheets [spec] (dense, no sparsity).
     return {
         # anchors 4.3: BF16 989 / FP8 1979 dense, 3.35 TB/s, 18 NVLink4 links; 4.2: 460 GB/s busbw.
         # fp32 67 TFLOPS [spec].
-        "H100": ModelSpec(match="H100", expected_count=8, fp32_tflops=67.0, bf16_tflops=989.0,
-                          fp8_tflops=1979.0, membw_gbps=3350.0, nvlink_links=18, allreduce_busbw_gbps=460.0),
+        "H100": ModelSpec(names=["NVIDIA H100 80GB HBM3", "NVIDIA H100 SXM5 80GB", "NVIDIA H100 SXM5 64GB"],
+                          expected_count=8, fp32_tflops=67.0, bf16_tflops=989.0, fp8_tflops=1979.0,
+                          membw_gbps=3350.0, nvlink_links=18, allreduce_busbw_gbps=460.0),
         # H100 PCIe [spec]: 51 / 756 / 1513 TFLOPS, 2.0 TB/s; anchors 4.2: 8x busbw 35-45 GB/s.
-        "H100 PCIe": ModelSpec(match="H100 PCIe", expected_count=None, fp32_tflops=51.0, bf16_tflops=756.0,
-                               fp8_tflops=1513.0, membw_gbps=2000.0, nvlink_links=None, allreduce_busbw_gbps=35.0),
+        "H100 PCIe": ModelSpec(names=["NVIDIA H100 PCIe"], fp32_tflops=51.0, bf16_tflops=756.0, fp8_tflops=1513.0,
+                               membw_gbps=2000.0, allreduce_busbw_gbps=35.0),
+        # H100 NVL [spec]: 60 / 835 / 1671 TFLOPS, 3.9 TB/s; NVLink bridges pair GPUs only, so no
+        # per-node link count or busbw figure (calibrate one).
+        "H100 NVL": ModelSpec(names=["NVIDIA H100 NVL"], fp32_tflops=60.0, bf16_tflops=835.0, fp8_tflops=1671.0,
+                              membw_gbps=3900.0),
         # anchors 4.3: same compute as H100, 4.8 TB/s HBM3e, NVLink4.
-        "H200": ModelSpec(match="H200", expected_count=8, fp32_tflops=67.0, bf16_tflops=989.0,
-                          fp8_tflops=1979.0, membw_gbps=4800.0, nvlink_links=18, allreduce_busbw_gbps=460.0),
+        "H200": ModelSpec(names=["NVIDIA H200", "NVIDIA H200 141GB HBM3e"], expected_count=8, fp32_tflops=67.0,
+                          bf16_tflops=989.0, fp8_tflops=1979.0, membw_gbps=4800.0, nvlink_links=18,
+                          allreduce_busbw_gbps=460.0),
+        # H200 NVL [spec]: 60 / 836 / 1671 TFLOPS, 4.8 TB/s; 2- or 4-way NVLink bridges.
+        "H200 NVL": ModelSpec(names=["NVIDIA H200 NVL"], fp32_tflops=60.0, bf16_tflops=836.0, fp8_tflops=1671.0,
+                              membw_gbps=4800.0),
+        # GH200 [spec]: the H100 compute die with 96 GB HBM3 (4.0 TB/s) or 144 GB HBM3e (4.9 TB/s);
+        # the lower figure is the floor.  One GPU per superchip: no count, no NVLink expectation.
+        "GH200": ModelSpec(names=["NVIDIA GH200 480GB", "NVIDIA GH200 144G HBM3e", "NVIDIA GH200 96GB HBM3"],
+                           fp32_tflops=67.0, bf16_tflops=989.0, fp8_tflops=1979.0, membw_gbps=4000.0),
         # A100 SXM [spec]: 19.5 fp32 / 312 bf16, no FP8, 1.555 TB/s (40 GB part; the 80 GB part is
         # faster, so this is the conservative floor), 12 NVLink3 links; anchors 4.2: 230 GB/s busbw.
-        "A100": ModelSpec(match="A100", expected_count=8, fp32_tflops=19.5, bf16_tflops=312.0,
-                          fp8_tflops=None, membw_gbps=1555.0, nvlink_links=12, allreduce_busbw_gbps=230.0),
+        "A100": ModelSpec(names=["NVIDIA A100-SXM4-80GB", "NVIDIA A100-SXM4-40GB"], expected_count=8,
+                          fp32_tflops=19.5, bf16_tflops=312.0, membw_gbps=1555.0, nvlink_links=12,
+                          allreduce_busbw_gbps=230.0),
+        # A100 PCIe [spec]: same compute, 1.555 (40 GB) / 1.935 (80 GB) TB/s, NVLink bridge optional.
+        "A100 PCIe": ModelSpec(names=["NVIDIA A100-PCIE-40GB", "NVIDIA A100 80GB PCIe"], fp32_tflops=19.5,
+                               bf16_tflops=312.0, membw_gbps=1555.0),
     }
 
 
@@ -87,7 +122,7 @@ def _default_cpu() -> ModelSpec:
     # idle ~0.1 TFLOPS fp32 / ~0.07 bf16 / ~0.012 fp8 at 256^3, ~7 GB/s copy, ~0.5 GB/s gloo
     # busbw; at load 10 on 2 cores copy fell to ~1 GB/s.  The floors below (fail at half of
     # them, 0.8x for busbw) only catch a broken or starved host, e.g. copy under 0.25 GB/s.
-    return ModelSpec(match="cpu", fp32_tflops=0.005, bf16_tflops=0.0025, fp8_tflops=0.0005, membw_gbps=0.5,
+    return ModelSpec(names=["cpu"], fp32_tflops=0.005, bf16_tflops=0.0025, fp8_tflops=0.0005, membw_gbps=0.5,
                      allreduce_busbw_gbps=0.02)
 
 
@@ -106,6 +141,9 @@ class GpuThresholds:
     retired_pages_max: int = 10
     temperature_warn_c: float = 85.0  # [choice]
     temperature_fail_c: float = 95.0  # [choice]
+    #: HBM temperature (NVML_FI_DEV_MEMORY_TEMP); HBM3 throttles near 95 C [choice].
+    memory_temperature_warn_c: float = 90.0
+    memory_temperature_fail_c: float = 100.0
     non_critical_xids: list[int] = field(default_factory=lambda: list(NON_CRITICAL_XIDS))
     #: Clock-event reasons that fail the GPU: hardware slowdowns mean the board itself is pulling clocks.
     throttle_fail: list[str] = field(
@@ -122,6 +160,8 @@ class GpuThresholds:
     def __post_init__(self) -> None:
         if self.temperature_warn_c > self.temperature_fail_c:
             raise ConfigError("temperature_warn_c", "must not exceed temperature_fail_c")
+        if self.memory_temperature_warn_c > self.memory_temperature_fail_c:
+            raise ConfigError("memory_temperature_warn_c", "must not exceed memory_temperature_fail_c")
         if self.expected_count is not None and self.expected_count < 0:
             raise ConfigError("expected_count", "must be >= 0")
 
@@ -133,26 +173,38 @@ def _check_fractions(warn: float, fail: float) -> None:
 
 @dataclass(kw_only=True, slots=True)
 class GemmThresholds:
-    warn_fraction: float = 0.7
-    fail_fraction: float = 0.5
+    #: Of the datasheet peak, when no calibration covers the measurement: a healthy H100 reaches
+    #: 0.6-0.75 of its bf16 peak and 0.55-0.65 of its FP8 peak at 4096^3.
+    warn_fraction: float = 0.5
+    fail_fraction: float = 0.35
+    #: Of the calibrated median (never above median - 3 / 6 spreads, see diagnostics.calibration).
+    calibrated_warn_fraction: float = 0.9
+    calibrated_fail_fraction: float = 0.8
     #: Max |C - C_ref| / (|A| |B| row-col norm bound) per dtype; fp64 reference.
     rtol: dict[str, float] = field(default_factory=lambda: {"fp32": 1e-5, "bf16": 2e-2, "fp8": 5e-2})
+    #: Timed seconds per dtype on CPU and on GPUs (all GPUs at once), after the warm-up.
     quick_seconds: float = 0.15
+    quick_seconds_gpu: float = 1.0
     full_seconds: float = 10.0
+    warmup_iters: int = 3
 
     def __post_init__(self) -> None:
         _check_fractions(self.warn_fraction, self.fail_fraction)
+        _check_fractions(self.calibrated_warn_fraction, self.calibrated_fail_fraction)
 
 
 @dataclass(kw_only=True, slots=True)
 class BandwidthThresholds:
     warn_fraction: float = 0.7
     fail_fraction: float = 0.5
+    calibrated_warn_fraction: float = 0.9
+    calibrated_fail_fraction: float = 0.8
     quick_seconds: float = 0.15
     full_seconds: float = 5.0
 
     def __post_init__(self) -> None:
         _check_fractions(self.warn_fraction, self.fail_fraction)
+        _check_fractions(self.calibrated_warn_fraction, self.calibrated_fail_fraction)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -160,16 +212,22 @@ class CollectiveThresholds:
     # anchors 4.2: more than 20 % below the reference busbw means a misconfiguration.
     warn_fraction: float = 0.9
     fail_fraction: float = 0.8
+    calibrated_warn_fraction: float = 0.9
+    calibrated_fail_fraction: float = 0.8
     #: Local ranks for the CPU (gloo) run; GPU runs use every visible GPU.
     cpu_ranks: int = 2
     quick_bytes_cpu: int = 1 << 20
     full_bytes_cpu: int = 64 << 20
-    quick_bytes_gpu: int = 256 << 20
-    full_bytes_gpu: int = 2 << 30
+    #: The reference busbw is a large-message figure: 256 MiB messages reach only part of it.
+    quick_bytes_gpu: int = 1 << 30
+    full_bytes_gpu: int = 4 << 30
+    quick_iters: int = 10
+    full_iters: int = 20
     timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         _check_fractions(self.warn_fraction, self.fail_fraction)
+        _check_fractions(self.calibrated_warn_fraction, self.calibrated_fail_fraction)
         if self.cpu_ranks < 2:
             raise ConfigError("cpu_ranks", "must be >= 2")
 
@@ -196,6 +254,10 @@ _IB_WARN = ["symbol_error", "link_downed", "link_error_recovery", "port_rcv_erro
 
 @dataclass(kw_only=True, slots=True)
 class IbThresholds:
+    #: fnmatch patterns of the ports that are the training fabric, as ``device/port``
+    #: (``mlx5_[0-7]/1``); other ports (management, storage) are listed but not judged.
+    #: Empty: every port is judged.
+    ports: list[str] = field(default_factory=list)
     #: Port states that pass (from ``ports/<n>/state``).
     ok_states: list[str] = field(default_factory=lambda: ["ACTIVE"])
     ok_phys_states: list[str] = field(default_factory=lambda: ["LinkUp"])
@@ -257,13 +319,19 @@ class Thresholds:
     ib: IbThresholds = field(default_factory=IbThresholds)
     disk: DiskThresholds = field(default_factory=DiskThresholds)
     etcd: EtcdThresholds = field(default_factory=EtcdThresholds)
+    calibration: str = ""
+    """Calibration file written by ``diag calibrate`` on known-good nodes; its medians replace the
+    datasheet figures for the measurements it covers (relative paths: from the working directory)."""
 
-    def model_for(self, device_name: str | None) -> ModelSpec | None:
-        """The spec whose ``match`` is the longest substring of ``device_name``."""
+    def model_key(self, device_name: str | None) -> str | None:
+        """The name of the model whose NVML names include ``device_name`` exactly, or None."""
         if not device_name:
             return None
-        hits = [m for m in self.models.values() if m.match in device_name]
-        return max(hits, key=lambda m: len(m.match)) if hits else None
+        return next((key for key, spec in self.models.items() if spec.matches(device_name)), None)
+
+    def model_for(self, device_name: str | None) -> ModelSpec | None:
+        key = self.model_key(device_name)
+        return self.models[key] if key is not None else None
 
 
 def load_thresholds(source: str | os.PathLike[str] | dict[str, Any] | None) -> Thresholds:
@@ -284,6 +352,8 @@ def load_thresholds(source: str | os.PathLike[str] | dict[str, Any] | None) -> T
     if not isinstance(data, dict):
         raise ConfigError("", "thresholds file must be a mapping")
     data = dict(data)
+    if isinstance(data.get("cpu"), dict):  # a file that tunes the CPU floors keeps the rest of them
+        data["cpu"] = {**_spec_dict(_default_cpu()), **data["cpu"]}
     models = data.get("models")
     if isinstance(models, dict):
         # A file that tunes one model keeps the built-in others.

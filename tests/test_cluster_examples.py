@@ -91,7 +91,7 @@ def test_64_node_config_loads():
     assert cfg.workload().name == "dit" and isinstance(cfg.trainer, DiTTrainerConfig)
     assert (cfg.launch.min_nodes, cfg.launch.max_nodes, cfg.launch.nproc_per_node) == (63, 64, 8)
     for nodes in (63, 64):
-        assert cfg.trainer.check_world(nodes * 8) == (nodes, 8)
+        assert cfg.trainer.check_world(nodes * 8) == (nodes * 8, 1)
     assert cfg.tensorboard.enabled and cfg.agent.metrics.port == 9400
 
 
@@ -113,3 +113,16 @@ def test_cluster_mode_launcher_per_host(tmp_path):
     assert (tmp_path / "events" / "agent-h3.jsonl").exists() and not (tmp_path / "history").exists()
     explicit = Launcher(override(cfg, "launch.local_addr", "10.0.0.7"), tmp_path)
     assert explicit.local_addr() == "10.0.0.7"
+
+
+def test_64_node_example_has_a_fast_shape_and_the_video_example_splits_the_sequence():
+    """256 tokens: no context parallelism, big GEMMs; 16384 tokens: Ulysses cp=8 inside a node."""
+    image = load_run_file(ROOT / "examples" / "dit-64node.yaml").trainer
+    assert image.parallel.cp == 1 and image.model.num_tokens == 256
+    assert image.micro_batch_size * image.model.num_tokens >= 8192
+    video = load_run_file(ROOT / "examples" / "dit-video-64node.yaml")
+    assert video.workload().name == "dit" and isinstance(video.trainer, DiTTrainerConfig)
+    assert video.trainer.parallel.cp == 8 and video.trainer.model.num_tokens == 16384
+    assert video.trainer.micro_batch_size * video.trainer.model.num_tokens // 8 >= 8192
+    for nodes in (63, 64):
+        assert video.trainer.check_world(nodes * 8) == (nodes, 8)

@@ -106,12 +106,33 @@ def test_xid_classes_follow_gcm_non_critical_set():
     assert all(xid_class(x, NON_CRITICAL_XIDS) == "critical" for x in (48, 64, 74, 79, 94, 95, 119))
 
 
-def test_model_lookup_prefers_longest_match():
+@pytest.mark.parametrize("nvml_name, key", [
+    ("NVIDIA H100 80GB HBM3", "H100"),
+    ("NVIDIA H100 PCIe", "H100 PCIe"),
+    ("NVIDIA H100 NVL", "H100 NVL"),
+    ("NVIDIA H200", "H200"),
+    ("NVIDIA H200 NVL", "H200 NVL"),
+    ("NVIDIA GH200 480GB", "GH200"),  # a substring match took this for an H200
+    ("NVIDIA GH200 144G HBM3e", "GH200"),
+    ("NVIDIA A100-SXM4-80GB", "A100"),
+    ("NVIDIA A100 80GB PCIe", "A100 PCIe"),
+    ("nvidia  h100 80gb hbm3", "H100"),  # case and spacing aside
+    ("Tesla T4", None),
+    ("NVIDIA H100", None),  # not a name NVML gives any part: unknown, not guessed
+])
+def test_model_lookup_is_exact(nvml_name, key):
     t = Thresholds()
-    assert t.model_for("NVIDIA H100 PCIe").match == "H100 PCIe"
-    assert t.model_for("NVIDIA H100 80GB HBM3").match == "H100"
-    assert t.model_for("NVIDIA H200").membw_gbps == 4800.0
-    assert t.model_for("Tesla T4") is None
+    assert t.model_key(nvml_name) == key
+    assert (t.model_for(nvml_name) is None) == (key is None)
+
+
+def test_pcie_nvl_and_gh200_parts_get_their_own_figures():
+    t = Thresholds()
+    assert t.model_for("NVIDIA H100 PCIe").bf16_tflops == 756.0 and t.model_for("NVIDIA H100 PCIe").nvlink_links is None
+    assert t.model_for("NVIDIA H200 NVL").expected_count is None
+    gh200 = t.model_for("NVIDIA GH200 480GB")
+    assert gh200.membw_gbps == 4000.0 and gh200.expected_count is None and gh200.nvlink_links is None
+    assert t.model_for("NVIDIA H200").membw_gbps == 4800.0 and t.model_for("NVIDIA H200").expected_count == 8
 
 
 # -- nvlink -------------------------------------------------------------------
@@ -222,8 +243,8 @@ def test_gemm_corrupted_result_is_caught():
 def test_gemm_low_throughput_fails_and_warns():
     r = run("gemm", {"gemm": {"tflops_scale": 1e-4}})
     assert r.verdict == "fail" and "TFLOPS" in r.reason
-    # Below the warn level (0.7 x an absurd expectation) but above a 1 MFLOPS fail floor: warn.
-    t = load_thresholds({"cpu": {"match": "cpu", "fp32_tflops": 1e6, "bf16_tflops": 1e6},
+    # Below the warn level (0.5 x an absurd expectation) but above a 1 MFLOPS fail floor: warn.
+    t = load_thresholds({"cpu": {"fp32_tflops": 1e6, "bf16_tflops": 1e6},
                          "gemm": {"fail_fraction": 1e-12}})
     r = run("gemm", thresholds=t)
     assert r.verdict == "warn"
@@ -382,8 +403,8 @@ def test_crashing_check_is_a_failure_not_a_crash():
 @pytest.mark.parametrize(
     "check, knob, scale, verdict",
     [
-        ("gemm", "tflops_scale", 0.3, "fail"),   # below fail_fraction 0.5 of its own unscaled run
-        ("gemm", "tflops_scale", 0.6, "warn"),   # between 0.5 and warn_fraction 0.7
+        ("gemm", "tflops_scale", 0.2, "fail"),   # below fail_fraction 0.35 of its own unscaled run
+        ("gemm", "tflops_scale", 0.42, "warn"),  # between 0.35 and warn_fraction 0.5
         ("membw", "gbps_scale", 0.3, "fail"),
         ("collective", "busbw_scale", 0.3, "fail"),
         ("collective", "busbw_scale", 0.85, "warn"),  # between 0.8 and 0.9

@@ -173,7 +173,7 @@ def test_thresholds_model_merge_and_errors():
     h100 = t.model_for("NVIDIA H100 80GB HBM3")
     assert h100.bf16_tflops == 900.0 and h100.membw_gbps == 3350.0  # other fields kept
     assert t.model_for("NVIDIA A100-SXM4-80GB").bf16_tflops == 312.0  # other models kept
-    with pytest.raises(ConfigError, match=r"^models\.B200: .*match"):
+    with pytest.raises(ConfigError, match=r"^models\.B200\.names: must list the exact NVML device name"):
         load_thresholds({"models": {"B200": {"bf16_tflops": 2250.0}}})
     with pytest.raises(ConfigError, match=r"^models\.H100\.membw_gbps: must be positive"):
         load_thresholds({"models": {"H100": {"membw_gbps": -1.0}}})

@@ -56,6 +56,9 @@ class NoHardware:
     def gpus(self):
         raise GpuUnavailable("no NVIDIA driver (test host)")
 
+    def gpus_now(self):
+        return self.gpus()
+
     def driver_version(self):
         return None
 
@@ -240,7 +243,7 @@ def _fake_nvml(monkeypatch, count=2):
         monkeypatch.setattr(nv, name, fn)
     from diagnostics import readers
 
-    monkeypatch.setattr(readers, "read_kernel_log", lambda: (
+    monkeypatch.setattr(readers.kernel_log, "read_kernel_log", lambda: (
         "[  12.1] NVRM: Xid (PCI:0000:18:00): 63, pid=1234, Row Remapper: New row marked for remapping\n"
         "[  13.0] unrelated line\n"))
 

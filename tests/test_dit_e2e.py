@@ -278,7 +278,7 @@ def test_bf16_fp8_activation_checkpointing_run(tmp_path, world1):
     first = run_in_process(world1, tmp_path / "run", sec, interval=2)
     steps = events(tmp_path / "run", kind="trainer.step")
     assert len(steps) == 4 and all(math.isfinite(e["loss"]) and not e["skipped"] for e in steps)
-    assert steps[-1]["fp8"]["layers"] == 8 and steps[-1]["fp8"]["sat_input"] == 0
+    assert steps[-1]["fp8"]["layers"] == 8 and steps[-1]["fp8"]["amax_input_max"] > 0
     assert events(tmp_path / "run", kind="trainer.start")[0]["fp8_layers"] == 8
     # the same run from its step-2 checkpoint ends bitwise identical
     shutil.rmtree(tmp_path / "run" / "checkpoints" / "step-00000004")

@@ -200,3 +200,17 @@ def test_foreign_fingerprint_in_the_cache_falls_back_to_disk(tmp_path, client):
     assert _manager(tmp_path, client)[0].load_latest(_state(fresh, fresh_optim))[0] == 2
     miss, loaded = _loaded(tmp_path)
     assert "fingerprint mismatch" in miss["reason"] and loaded["loaded_from"] == "disk"
+
+
+def test_push_of_a_tensor_numpy_cannot_read_is_an_event_not_a_crash(tmp_path, client):
+    """Before the fix a CUDA tensor in the live state (async save off) reached ``.numpy()`` and its
+    TypeError escaped ``push``, killing the trainer.  A meta tensor raises the same TypeError on CPU."""
+    from elastic.checkpoint.memory import MemoryFastPath
+
+    events = EventLog(tmp_path / "events.jsonl", "test")
+    fast = MemoryFastPath(client, "fp", events, None, slot=0, epoch=0)
+    fast.push(3, "abc", {"model": {"w": torch.zeros(4, device="meta")}}, b"")
+    (failed,) = [e for e in read_events([tmp_path / "events.jsonl"]) if e["kind"].startswith("checkpoint.memory")]
+    assert failed["kind"] == "checkpoint.memory_push_failed" and "meta" in failed["error"]
+    fast.push(4, "abd", {"model": {"w": torch.arange(4.0)}}, b"")  # a host tensor still goes through
+    assert client.get(0)[0].step == 4

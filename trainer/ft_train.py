@@ -34,7 +34,6 @@ from datetime import timedelta
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import record
 
@@ -43,6 +42,7 @@ from elastic.control.keys import RunKeys
 from elastic.control.store import EtcdStore, StoreError
 from elastic.replicas.config import ReplicaConfig
 from elastic.worker.session import WorkerSession, run_worker
+from trainer.collectives import broadcast_flag
 from trainer.minimal_config import MLPTrainerConfig
 from trainer.train import batch_for, build_model, shard_model
 
@@ -91,9 +91,7 @@ class RunFinished:
             except StoreError:
                 flag = 0.0  # etcd unreachable: keep training
         if world > 1:
-            tensor = torch.tensor([flag], device=device)
-            dist.broadcast(tensor, src=0)
-            flag = float(tensor.item())
+            flag = float(broadcast_flag(flag > 0, device=device))
         return flag > 0
 
     def publish(self, step: int, replica_id: str) -> None:

@@ -76,7 +76,14 @@ def apply_activation_checkpointing(model: DiT) -> None:
 
 
 def apply_fsdp(model: DiT, mesh: DeviceMesh, param_dtype: torch.dtype, reduce_dtype: torch.dtype) -> None:
-    """fully_shard each block, then the root (embedders, final layer)."""
+    """fully_shard each block, then the root (embedders, final layer).
+
+    The root does not cast its forward inputs: a cast would round the timestep ``t`` to
+    ``param_dtype`` before the sinusoidal embedding (bf16 keeps 8 bits: 0.7 -> 0.69921875, and
+    ``t * 1000`` times the highest frequency turns that into a phase error of radians), while
+    :mod:`trainer.sample` samples with exact fp32 ``t``.  :meth:`DiT.forward` casts the image
+    tokens itself and embeds ``t`` in fp32; the blocks keep casting their own inputs.
+    """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
@@ -84,7 +91,8 @@ def apply_fsdp(model: DiT, mesh: DeviceMesh, param_dtype: torch.dtype, reduce_dt
     for i, block in enumerate(model.blocks):
         # The last block's params are needed again first in backward: keep them unsharded.
         fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=i < last)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
+    root_mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False)
+    fully_shard(model, mesh=mesh, mp_policy=root_mp)
 
 
 def parallelize(model: DiT, cfg: ParallelConfig, dp: int, cp: int, device_type: str) -> DeviceMesh | None:

@@ -20,7 +20,6 @@ import time
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
@@ -29,6 +28,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.fsdp import fully_shard
 
 from elastic.worker.session import NumericsRollback, WorkerSession, run_worker
+from trainer.collectives import all_finite
 from trainer.minimal_config import MLPTrainerConfig
 
 
@@ -78,13 +78,6 @@ class AppState(Stateful):
         self.step = int(state_dict["step"])
 
 
-def _all_finite(loss: torch.Tensor) -> bool:
-    """Collective: True iff the loss is finite on every rank (all ranks then agree to stop)."""
-    flag = torch.tensor([0.0 if torch.isfinite(loss.detach()).all() else 1.0], device=loss.device)
-    dist.all_reduce(flag)
-    return flag.item() == 0.0
-
-
 class MLPRun:
     """The MLP trainer for the current world (built again after an in-process re-formation)."""
 
@@ -122,7 +115,7 @@ class MLPRun:
     def train_step(self, step: int) -> None:
         x, y = batch_for(self.cfg, step, self.session.rank, self.session.device)
         loss = self.session.loss(step, self.loss_fn(self.model(x), y))
-        if not _all_finite(loss):
+        if not all_finite(loss):
             # Never let a NaN reach the weights: no backward, no optimizer step; the agent rolls back.
             self.session.events.emit("trainer.numerics", step=step, reason="non-finite loss")
             self.session.agent.report_numerics(step, "non-finite loss")

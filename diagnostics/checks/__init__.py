@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from diagnostics.calibration import Calibration
 from diagnostics.readers import HardwareReader
 from diagnostics.report import CheckResult
 from diagnostics.thresholds import Thresholds
@@ -29,6 +30,8 @@ class Context:
     etcd_endpoint: str | None = None
     ckpt_dir: str | None = None
     host: str = field(default_factory=socket.gethostname)
+    calibration: Calibration | None = None
+    """Medians measured on known-good nodes (``diag calibrate``); None: datasheet figures only."""
 
     @property
     def full(self) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from diagnostics.thresholds import ModelSpec, Thresholds
@@ -51,13 +52,67 @@ def judge(measured: float, expected: float | None, warn_fraction: float, fail_fr
     """(verdict, threshold text) for a throughput against ``expected``; pass when nothing is expected."""
     if expected is None:
         return "pass", "none"
-    warn, fail = expected * warn_fraction, expected * fail_fraction
+    return _judge_lines(measured, expected * warn_fraction, expected * fail_fraction)
+
+
+def _judge_lines(measured: float, warn: float, fail: float) -> tuple[str, str]:
     text = f">={warn:.4g} (fail<{fail:.4g})"
     if measured < fail:
         return "fail", text
     if measured < warn:
         return "warn", text
     return "pass", text
+
+
+def judge_measurement(ctx: Any, check: str, key: str, model: str, measured: float, datasheet: float | None,
+                      t: Any) -> tuple[str, str, str]:
+    """(verdict, threshold text, source) of one throughput: against the calibration's median for
+    (check, key, device model) when the screen has one, else ``datasheet`` x the fractions."""
+    entry = ctx.calibration.entry(check, key, model) if ctx.calibration is not None else None
+    if entry is not None:
+        warn, fail = entry.lines(t.calibrated_warn_fraction, t.calibrated_fail_fraction)
+        verdict, text = _judge_lines(measured, warn, fail)
+        return verdict, f"{text} calibrated", "calibration"
+    verdict, text = judge(measured, datasheet, t.warn_fraction, t.fail_fraction)
+    return verdict, text, "datasheet" if datasheet is not None else "none"
+
+
+class DeviceTimer:
+    """Elapsed seconds on one device: CUDA events on its stream (device time, not host time
+    around asynchronous launches), the host clock on the CPU."""
+
+    def __init__(self, device: Any) -> None:
+        import torch
+
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            with torch.cuda.device(device):
+                self.start_event = torch.cuda.Event(enable_timing=True)
+                self.end_event = torch.cuda.Event(enable_timing=True)
+        self.device = device
+        self.t0 = self.t1 = 0.0
+
+    def start(self) -> None:
+        import torch
+
+        if self.cuda:
+            with torch.cuda.device(self.device):
+                self.start_event.record()
+        self.t0 = time.perf_counter()
+
+    def stop(self) -> None:
+        import torch
+
+        if self.cuda:
+            with torch.cuda.device(self.device):
+                self.end_event.record()
+        self.t1 = time.perf_counter()
+
+    def seconds(self) -> float:
+        """After the device is synchronised."""
+        if self.cuda:
+            return self.start_event.elapsed_time(self.end_event) / 1e3
+        return self.t1 - self.t0
 
 
 class single_cpu_thread:

@@ -10,7 +10,9 @@ so there is no port to race for.  Each rank:
 2. runs warm-up iterations, then times ``iters`` all-reduces of ``nbytes``
    between barriers.
 
-The slowest rank's time per iteration ``t`` gives ``algbw = nbytes / t`` and
+The default GPU message is 1 GiB (``quick_bytes_gpu``), 10 iterations, timed with
+CUDA events: the reference busbw is a large-message figure that 256 MiB messages
+do not reach.  The slowest rank's time per iteration ``t`` gives ``algbw = nbytes / t`` and
 ``busbw = algbw * 2 (n - 1) / n`` -- the all-reduce factor of nccl-tests'
 PERFORMANCE.md, which makes busbw comparable with the hardware bottleneck's
 bandwidth whatever ``n`` is.  The GPU reference is the model's 8-GPU figure
@@ -31,8 +33,9 @@ import tempfile
 import time
 from typing import Any
 
+from diagnostics.calibration import collective_key
 from diagnostics.checks import Check, Context, register
-from diagnostics.checks._devices import cpu_expected, judge, spec_for
+from diagnostics.checks._devices import DeviceTimer, cpu_expected, judge_measurement, spec_for
 from diagnostics.report import CheckResult, worst
 
 WARMUP = 2
@@ -86,12 +89,14 @@ def _worker(rank: int, world: int, store_path: str, backend: str, nbytes: int, i
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             dist.barrier()
-            start = time.perf_counter()
+            timer = DeviceTimer(device)  # CUDA events on the collective's stream; the host clock on gloo
+            timer.start()
             for _ in range(iters):
                 dist.all_reduce(buf)
+            timer.stop()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-            elapsed = time.perf_counter() - start
+            elapsed = timer.seconds()
             results.put({"rank": rank, "seconds": elapsed, "wrong": wrong})
         finally:
             dist.destroy_process_group()
@@ -178,22 +183,24 @@ class CollectiveCheck(Check):
             world, backend = t.cpu_ranks, "gloo"
             nbytes = t.full_bytes_cpu if ctx.full else t.quick_bytes_cpu
             model, spec = "cpu", ctx.thresholds.cpu
-        iters = 20 if ctx.full else 5
+        iters = t.full_iters if ctx.full else t.quick_iters
         r = run_allreduce(world, backend, nbytes, iters, corrupt=corrupt, timeout_s=t.timeout_s)
-        unscaled = r["busbw_gbps"]
+        r["unscaled_busbw_gbps"] = unscaled = r["busbw_gbps"]
         r["busbw_gbps"] *= scale
         r["algbw_gbps"] *= scale
         expected = spec.allreduce_busbw_gbps if spec else None
         if backend == "gloo":
             expected = cpu_expected(torch.device("cpu"), expected, unscaled, scale)
-        speed, text = judge(r["busbw_gbps"], expected, t.warn_fraction, t.fail_fraction)
+        speed, text, source = judge_measurement(ctx, "collective", collective_key(r["bytes"], world), model,
+                                                r["busbw_gbps"], expected, t)
         reasons = []
         if r["wrong_elements"]:
             reasons.append(f"all-reduce result wrong in {r['wrong_elements']} elements")
         if speed != "pass":
             reasons.append(f"busbw {r['busbw_gbps']:.4g} GB/s {text}")
         verdict = worst([speed, "fail" if r["wrong_elements"] else "pass"])
-        r.update(model=model, expected_busbw_gbps=expected, busbw_scale=scale, factor=allreduce_factor(world))
+        r.update(model=model, expected_busbw_gbps=expected, expected_source=source, busbw_scale=scale,
+                 factor=allreduce_factor(world))
         return CheckResult(
             name=self.name,
             verdict=verdict,

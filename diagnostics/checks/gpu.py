@@ -10,10 +10,11 @@ Sub-checks per device, each pass / warn / fail (thresholds in
 * row remapping: any pending or failed remap fails;
 * clock-event reasons: hardware slowdowns fail, software thermal slowdown warns,
   idle / power cap / application clocks are normal;
-* temperature, power above the enforced limit (warn);
+* GPU and HBM temperature, power above the enforced limit (warn);
 * PCIe link narrower than its maximum width fails (a lower *generation* is normal
   at idle and only checked against ``pcie_gen_min``);
-* Xid events classed critical / non-critical with Meta GCM's non-critical set;
+* Xid events classed critical / non-critical with Meta GCM's non-critical set; Xids the kernel
+  logged before the GPU's last reset are listed (``xid_before_reset``) but judge nothing;
 * NVML recovery action (driver >= 570) other than ``none`` fails.
 """
 
@@ -43,13 +44,14 @@ class GpuCheck(Check):
         names = sorted({d.get("name") or "unknown" for d in devices})
         if len(names) > 1:
             findings.append(("warn", f"mixed GPU models {names}"))
-        model = ctx.thresholds.model_for(names[0])
+        model_key = ctx.thresholds.model_key(names[0])
+        model = ctx.thresholds.models[model_key] if model_key else None
         expected = t.expected_count if t.expected_count is not None else (model.expected_count if model else None)
         if expected is not None and len(devices) != expected:
             findings.append(("fail", f"{len(devices)} GPUs, expected {expected}"))
         per_device = {}
         for dev in devices:
-            dev_findings = _device_findings(dev, t)
+            dev_findings = device_findings(dev, t)
             per_device[str(dev.get("index"))] = [f"{v}: {m}" for v, m in dev_findings]
             findings.extend((v, f"gpu{dev.get('index')}: {m}") for v, m in dev_findings)
         verdict = worst([v for v, _ in findings] or ["pass"])
@@ -65,10 +67,12 @@ class GpuCheck(Check):
             details={
                 "count": len(devices),
                 "expected_count": expected,
-                "model": model.match if model else None,
+                "model": model_key,
                 "driver_version": _driver(ctx),
                 # False: dmesg unreadable, so only Xids raised during the screen were seen.
                 "xid_kernel_log_read": devices[0].get("xid_kernel_log"),
+                "xid_before_reset": {str(d.get("index")): d["xid_events_before_reset"] for d in devices
+                                     if d.get("xid_events_before_reset")},
                 "findings": per_device,
                 "devices": devices,
             },
@@ -87,7 +91,15 @@ def xid_class(xid: int, non_critical: list[int]) -> str:
     return "non-critical" if xid in non_critical else "critical"
 
 
-def _device_findings(d: dict[str, Any], t: Any) -> list[tuple[str, str]]:
+def _limit(value: Any, what: str, warn: float, fail: float) -> list[tuple[str, str]]:
+    if value is None or value < warn:
+        return []
+    verdict, limit = ("fail", fail) if value >= fail else ("warn", warn)
+    return [(verdict, f"{what} {value} C >= {limit}")]
+
+
+def device_findings(d: dict[str, Any], t: Any) -> list[tuple[str, str]]:
+    """(verdict, message) for one GPU reading; also applied to the readings taken under load."""
     out: list[tuple[str, str]] = []
 
     def num(key: str) -> Any:
@@ -122,12 +134,9 @@ def _device_findings(d: dict[str, Any], t: Any) -> list[tuple[str, str]]:
     soft = sorted(set(reasons) & set(t.throttle_warn))
     if soft:
         out.append(("warn", f"clocks throttled by {','.join(soft)}"))
-    temp = num("temperature_c")
-    if temp is not None:
-        if temp >= t.temperature_fail_c:
-            out.append(("fail", f"temperature {temp} C >= {t.temperature_fail_c}"))
-        elif temp >= t.temperature_warn_c:
-            out.append(("warn", f"temperature {temp} C >= {t.temperature_warn_c}"))
+    out += _limit(num("temperature_c"), "temperature", t.temperature_warn_c, t.temperature_fail_c)
+    out += _limit(num("memory_temperature_c"), "HBM temperature", t.memory_temperature_warn_c,
+                  t.memory_temperature_fail_c)
     power, limit = num("power_w"), num("power_limit_w")
     if power is not None and limit is not None and power > limit * 1.05:
         out.append(("warn", f"power {power:.0f} W above enforced limit {limit:.0f} W"))

@@ -7,12 +7,16 @@ last counter reset), so a non-zero value in ``counters_warn`` warns and only the
 limits in ``counters_fail`` fail; a fleet that clears counters after each screen
 gets per-interval numbers.  In full mode the counters are read a second time
 ``full_window_s`` later and any increase of a ``delta_fail`` counter fails.  No
-IB device at all is a skip, not a pass.
+IB device at all is a skip, not a pass.  ``ports`` (fnmatch patterns of ``device/port``)
+names the training fabric; other ports (a management or storage NIC) are listed as
+ignored and judge nothing.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import time
+from typing import Any
 
 from diagnostics.checks import Check, Context, register
 from diagnostics.report import CheckResult, worst
@@ -25,8 +29,10 @@ class IbCheck(Check):
 
     def run(self, ctx: Context) -> CheckResult:
         t = ctx.thresholds.ib
-        ports = ctx.reader.ib_ports()
+        ports, ignored = _fabric_ports(ctx.reader.ib_ports(), t.ports)
         if not ports or not any(ports.values()):
+            if ignored:
+                return self.skip(f"no port matches ib.ports {t.ports} (ports seen: {', '.join(ignored)})", ignored=ignored)
             return self.skip("no IB devices")
         findings: list[tuple[str, str]] = []
         up = total = 0
@@ -56,7 +62,7 @@ class IbCheck(Check):
         deltas: dict[str, dict[str, int]] = {}
         if ctx.full and t.full_window_s > 0:
             time.sleep(t.full_window_s)
-            later = ctx.reader.ib_ports()
+            later, _ = _fabric_ports(ctx.reader.ib_ports(), t.ports)
             for dev, per_port in sorted(ports.items()):
                 for port, r in sorted(per_port.items()):
                     before = r.get("counters") or {}
@@ -74,5 +80,21 @@ class IbCheck(Check):
             value=f"{up}/{total} ports up",
             threshold=f"state in {t.ok_states}" + (f" rate>={t.min_rate_gbps:g}" if t.min_rate_gbps else ""),
             reason="ok" if verdict == "pass" else "; ".join(shown[:4]) + (f" (+{len(shown) - 4} more)" if len(shown) > 4 else ""),
-            details={"ports": ports, "deltas": deltas, "findings": [f"{v}: {m}" for v, m in findings]},
+            details={"ports": ports, "deltas": deltas, "ignored": ignored,
+                     "findings": [f"{v}: {m}" for v, m in findings]},
         )
+
+
+def _fabric_ports(ports: dict[str, dict[str, Any]], patterns: list[str]) -> tuple[dict[str, dict[str, Any]], list[str]]:
+    """(the ports ``ib.ports`` names as the training fabric, the other ports as ``dev/port``); all when empty."""
+    if not patterns:
+        return ports, []
+    kept: dict[str, dict[str, Any]] = {}
+    ignored: list[str] = []
+    for dev, per_port in sorted(ports.items()):
+        for port, reading in sorted(per_port.items()):
+            if any(fnmatch.fnmatch(f"{dev}/{port}", p) for p in patterns):
+                kept.setdefault(dev, {})[port] = reading
+            else:
+                ignored.append(f"{dev}/{port}")
+    return kept, ignored

@@ -1,7 +1,7 @@
 """Memory bandwidth: device-local copy GB/s (host memory on a CPU-only host).
 
 ``dst.copy_(src)`` of a large buffer, repeated for ``quick_seconds`` /
-``full_seconds``; bandwidth counts bytes read plus bytes written (STREAM "copy"
+``full_seconds`` after a warm-up, timed with CUDA events on a GPU; bandwidth counts bytes read plus bytes written (STREAM "copy"
 convention), so it is comparable with the memory's peak figure.  The copy is
 verified at the end (``dst`` must equal ``src``).  Knob: ``membw: {gbps_scale}``.
 """
@@ -11,11 +11,13 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from diagnostics.calibration import membw_key
 from diagnostics.checks import Check, Context, register
 from diagnostics.checks._devices import (
+    DeviceTimer,
     compute_devices,
     cpu_expected,
-    judge,
+    judge_measurement,
     single_cpu_thread,
     spec_for,
     synchronize,
@@ -26,15 +28,18 @@ from diagnostics.report import CheckResult, worst
 SIZES = {("cpu", "quick"): 16 << 20, ("cpu", "full"): 256 << 20, ("cuda", "quick"): 1 << 30, ("cuda", "full"): 4 << 30}
 
 
-def run_copy(device: Any, nbytes: int, seconds: float) -> dict[str, Any]:
+def run_copy(device: Any, nbytes: int, seconds: float, warmup: int = 2) -> dict[str, Any]:
     import torch
 
     src = torch.arange(nbytes // 4, dtype=torch.int32, device=device)
     dst = torch.empty_like(src)
-    dst.copy_(src)  # warm-up: page in both buffers
+    for _ in range(warmup):  # page in both buffers, wake the memory clocks
+        dst.copy_(src)
     synchronize(device)
+    timer = DeviceTimer(device)
     iters = 0
     start = time.perf_counter()
+    timer.start()
     while True:
         dst.copy_(src)
         iters += 1
@@ -42,8 +47,9 @@ def run_copy(device: Any, nbytes: int, seconds: float) -> dict[str, Any]:
             synchronize(device)
             if time.perf_counter() - start >= seconds:
                 break
+    timer.stop()
     synchronize(device)
-    elapsed = time.perf_counter() - start
+    elapsed = timer.seconds()
     return {
         "bytes": src.numel() * 4,
         "iters": iters,
@@ -68,16 +74,17 @@ class MembwCheck(Check):
             model, spec = spec_for(device, ctx.thresholds)
             with single_cpu_thread(device):
                 r = run_copy(device, SIZES[(device.type, ctx.mode)], seconds)
-            unscaled = r["gbps"]
+            r["unscaled_gbps"] = unscaled = r["gbps"]
             r["gbps"] *= scale
             expected = cpu_expected(device, spec.membw_gbps if spec else None, unscaled, scale)
-            verdict, text = judge(r["gbps"], expected, t.warn_fraction, t.fail_fraction)
+            verdict, text, source = judge_measurement(ctx, "membw", membw_key(r["bytes"]), model, r["gbps"],
+                                                      expected, t)
             if verdict != "pass":
                 problems.append(f"{device} copy {r['gbps']:.4g} GB/s {text}")
             if not r["verified"]:
                 verdict = "fail"
                 problems.insert(0, f"{device} copy produced wrong data")
-            r.update(model=model, verdict=verdict, expected_gbps=expected)
+            r.update(model=model, verdict=verdict, expected_gbps=expected, expected_source=source)
             per_device[str(device)] = r
             verdicts.append(verdict)
             low = min(low, r["gbps"])

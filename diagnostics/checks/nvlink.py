@@ -105,7 +105,8 @@ class NvlinkCheck(Check):
             return out
         t = ctx.thresholds.nvlink
         scale = float(ctx.reader.knobs("nvlink_bw").get("gbps_scale", 1.0))
-        expected = t.peer_gbps_expected.get(model.match) if model else None
+        key = ctx.thresholds.model_key(devices[0].get("name"))
+        expected = t.peer_gbps_expected.get(key) if key else None
         n = torch.cuda.device_count()
         nbytes, seconds = (1 << 30, 2.0) if ctx.full else (256 << 20, 0.2)
         pairs = {}

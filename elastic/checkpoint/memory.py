@@ -84,7 +84,9 @@ def _raw(tensor: torch.Tensor) -> memoryview:
 def _skeleton(tree: Any, tensors: list[torch.Tensor]) -> Any:
     """``tree`` with each tensor (DTensor: its local shard) replaced by its index in ``tensors``."""
     if isinstance(tree, torch.Tensor):
-        tensors.append(_local(tree).detach())
+        # The entry is host bytes: a GPU tensor (the live state, when saves are synchronous) is
+        # copied to host memory here; numpy() cannot read device memory.  CPU tensors: no copy.
+        tensors.append(_local(tree).detach().cpu())
         return {_TENSOR_REF: len(tensors) - 1}
     if isinstance(tree, Mapping):
         return {key: _skeleton(value, tensors) for key, value in tree.items()}
@@ -266,7 +268,9 @@ class MemoryFastPath:
                              checkpoint_id=checkpoint_id, fingerprint=self.fingerprint, epoch=self.epoch,
                              sha256=sha, nbytes=nbytes)
             self.client.put(meta, *chunks)
-        except (MemStateError, OSError, RuntimeError, ValueError) as exc:
+        except (MemStateError, OSError, RuntimeError, ValueError, TypeError, NotImplementedError) as exc:
+            # TypeError / NotImplementedError: a tensor whose bytes cannot be read on the host
+            # (e.g. a meta tensor); the push is an optimisation and must never stop training.
             self.events.emit("checkpoint.memory_push_failed", step=step, error=f"{type(exc).__name__}: {exc}"[:500])
             return
         self.events.emit("checkpoint.memory_pushed", step=step, slot=self.slot, bytes=meta.nbytes,

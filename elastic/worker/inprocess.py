@@ -36,6 +36,7 @@ from elastic.checkpoint.snapshot import (
     from_bytes,
     restore,
 )
+from elastic.common.collectives import check_device, group_device
 from elastic.common.env import WorkerEnv
 from elastic.common.events import EventLog
 from elastic.common.exits import EXIT_RECOVERY_FAILED
@@ -300,8 +301,8 @@ def _agree(held: dict[int, set[int]], expected: list[int]) -> int:
 
 def _fail_together(failed: bool, reason: str) -> None:
     """Collective: if any rank failed, every rank raises (nobody trains on a half-restored state)."""
-    flag = torch.tensor([1 if failed else 0])
-    dist.all_reduce(flag)
+    flag = torch.tensor([1 if failed else 0], device=group_device())  # NCCL serves only CUDA tensors
+    dist.all_reduce(check_device(flag))
     if int(flag.item()):
         raise RecoveryUnavailable(reason if failed else "another rank could not restore its snapshot")
 

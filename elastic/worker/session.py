@@ -6,7 +6,8 @@ training function to :func:`run_worker`, which parses those flags, reads the run
 process, and calls ``train(session)`` inside a :class:`WorkerSession`:
 
 * the process: device (``cuda:LOCAL_RANK`` when CUDA is present), the default process group
-  (NCCL or gloo, with the agent's collective timeout), torch's thread count;
+  (``cuda:nccl`` bound to that GPU, or ``cpu:gloo``, with the agent's collective timeout),
+  torch's thread count, and ``--deterministic`` (:mod:`elastic.worker.determinism`);
 * the event log (``events/trainer-rank<R>.jsonl``), the report channel to the node agent, the
   TensorBoard scalars;
 * checkpoints: a :class:`~elastic.checkpoint.manager.CheckpointManager` on a gloo group of its
@@ -39,6 +40,7 @@ from torch import nn
 from elastic.checkpoint.manager import CheckpointManager
 from elastic.checkpoint.publish import publisher_from_env
 from elastic.checkpoint.storage import FaultInjectingStorage, LocalStorage
+from elastic.common.collectives import backend_for, check_device
 from elastic.common.config import ConfigError
 from elastic.common.env import EPOCH_ENV, NODE_ID_ENV, PG_TIMEOUT_ENV
 from elastic.common.events import EventLog
@@ -46,6 +48,7 @@ from elastic.common.exits import EXIT_SCREEN_FAILED
 from elastic.run.schema import RunConfig, load_run_file
 from elastic.worker.channel import EXIT_NUMERICS, WorkerContext, skip_steps
 from elastic.worker.checksum import param_checksum, publish_checksum
+from elastic.worker.determinism import set_deterministic
 from elastic.worker.faults import FaultHooks
 from elastic.worker.inprocess import EXIT_RECOVERY_FAILED, InProcess, is_peer_failure, wait_for_agent
 from elastic.worker.scalars import ScalarLog
@@ -121,7 +124,10 @@ def init_process() -> tuple[torch.device, int, int]:
     """
     device = init_device()
     if not dist.is_initialized():
-        dist.init_process_group(_backend(device), timeout=pg_timeout())
+        # On a GPU the group is bound to this rank's device: NCCL then creates its communicator on
+        # the right GPU instead of guessing at the first collective.
+        dist.init_process_group(_backend(device), timeout=pg_timeout(),
+                                device_id=device if device.type == "cuda" else None)
     return device, dist.get_rank(), dist.get_world_size()
 
 
@@ -136,7 +142,9 @@ def init_device() -> torch.device:
 
 
 def _backend(device: torch.device) -> str:
-    return "nccl" if device.type == "cuda" else "gloo"
+    """Bound to the compute device's type (``cuda:nccl`` / ``cpu:gloo``): a collective over a
+    misplaced tensor fails on a CPU host as it does on NCCL (elastic.common.collectives)."""
+    return backend_for(device)
 
 
 def _watch_agent(agent_pid: int) -> None:
@@ -237,7 +245,7 @@ class WorkerSession:
     def sync_point(self) -> None:
         """The step's sync point: time spent here is waiting for slower peers, not work (busy time)."""
         t_sync = time.monotonic()
-        dist.all_reduce(self._sync)
+        dist.all_reduce(check_device(self._sync))
         self._wait = time.monotonic() - t_sync
 
     def skip_step(self, step: int) -> bool:
@@ -372,7 +380,12 @@ def parse_worker_args(prog: str, argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog=prog)
     parser.add_argument("--config", required=True, help="resolved run config (YAML)")
     parser.add_argument("--run-dir", required=True, help="run directory (events, checkpoints, results)")
-    return parser.parse_args(argv)
+    parser.add_argument("--deterministic", action="store_true",
+                        help="bitwise reproducible GPU runs (deterministic algorithms, math SDPA); slower")
+    args = parser.parse_args(argv)
+    if args.deterministic:
+        set_deterministic()  # before the process group and any CUDA work (elastic.worker.determinism)
+    return args
 
 
 def read_run_config(path: str, trainer_class: type | None) -> RunConfig | None:
