@@ -10,6 +10,7 @@ and never written anywhere.
 from __future__ import annotations
 
 import dataclasses
+import os
 import socket
 import time
 from dataclasses import dataclass
@@ -44,7 +45,9 @@ class AgentDelivery:
         self.state = state
         self.run_id = run_id
         self._token = token
-        self.id_prefix = id_prefix or f"c{int(time.time() * 1000):x}"
+        # Time first (ids sort in posting order across deliveries), then randomness: two tools
+        # posting in the same millisecond must never overwrite each other's request.
+        self.id_prefix = id_prefix or f"c{int(time.time() * 1000):x}{os.urandom(3).hex()}"
         self._count = 0
 
     def next_id(self) -> str:

@@ -133,3 +133,34 @@ def write_suite_html(report: dict[str, Any], path: Path, png: Path | None) -> Pa
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(page("chaos suite report", "".join(parts)))
     return path
+
+
+def write_soak_html(report: dict[str, Any], path: Path, png: Path | None) -> Path:
+    ok, g = report["ok"], report["goodput"]
+    parts = ("productive_s", "startup_s", "recovery_s", "checkpoint_s", "lost_s", "other_s")
+    wall = g.get("wall_s") or 0.0
+    body = [f"<h1>Chaos soak</h1><div class=\"verdict {'pass' if ok else 'fail'}\">"
+            f"{'every invariant held' if ok else 'BROKEN: ' + _e(', '.join(i['name'] for i in report['broken']))}</div>",
+            table([], [["job", report["job"]], ["nodes / steps", f"{report['nodes']} / {report['steps']}"],
+                       ["faults", f"{report['injected']} injected, {report['recovered']} recovered, "
+                                  f"{report['planned']} planned (mtbf {report['mtbf_s']:g}s, seed {report['seed']}, "
+                                  f"{report['duration_s']:g}s)"],
+                       ["node relaunches", report["requeues"]], ["skipped batches", report["skipped_batches"] or "none"],
+                       ["fault-free replay checksum", report["replay_checksum"]]]).replace("<table>", '<table class="meta">', 1),
+            "<h2>Goodput</h2>",
+            table(["part", "seconds", "share of wall"],
+                  [[p[:-2], _fmt(g.get(p), ".1f"), f"{(g.get(p) or 0) / wall * 100:.1f}%" if wall else "-"]
+                   for p in parts] + [["wall", _fmt(wall), "100%"], ["goodput", _fmt(g.get("goodput"), ".3f"), ""]],
+                  num_cols=(1, 2)),
+            "<h2>Per fault kind</h2>",
+            table(["fault", "injected", "recovered", "mean recovery s", "max recovery s", "steps lost", "cost s",
+                   "goodput cost"],
+                  [[kind, k["injected"], k["recovered"], _fmt(k["mean_recovery_s"]), _fmt(k["max_recovery_s"]),
+                    k["steps_lost"], _fmt(k["cost_s"]), f"{(k['goodput_cost'] or 0) * 100:.1f}%"]
+                   for kind, k in sorted(report["per_kind"].items())], num_cols=(1, 2, 3, 4, 5, 6, 7)),
+            "<h2>Fault timeline</h2>", image(png), "<h2>Faults</h2>",
+            faults_table(report["soak"]["result"]["faults"]), "<h2>Invariants</h2>",
+            invariants_table(report["soak"]["result"]["invariants"])]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(page("chaos soak report", "".join(body)))
+    return path
