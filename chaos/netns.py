@@ -20,6 +20,7 @@ deletes them all.  :func:`available` says whether this host allows any of it.
 from __future__ import annotations
 
 import ctypes
+import itertools
 import os
 import shutil
 import socket
@@ -30,6 +31,7 @@ SUBNET = "10.213.0"
 GATEWAY = f"{SUBNET}.1"
 NODE_IFNAME = "eth0"
 _CLONE_NEWNET = 0x40000000
+_SERIAL = itertools.count()
 
 
 class NetLabError(RuntimeError):
@@ -57,7 +59,7 @@ class NetLab:
         why = available()
         if why:
             raise NetLabError(why)
-        self.tag = tag or f"{os.getpid() % 100000}"
+        self.tag = tag or f"{os.getpid() % 100000}x{next(_SERIAL)}"  # unique per lab of this process
         self.switch = f"ch{self.tag}sw"
         self.nodes = [f"ch{self.tag}n{i}" for i in range(num_nodes)]
         self._made: list[str] = []
