@@ -226,8 +226,13 @@ def run_scenario(scenario: Scenario | None, name: str, cfg: SuiteConfig, job: Jo
 def skipped_steps(run_dir: Path, outcome: ClusterOutcome) -> list[tuple[int, int]]:
     """Batches the run skipped: the agents' rollback ranges (etcd) and the guard's own skips (events)."""
     steps = {s for lo, hi in outcome.skip_ranges for s in range(lo, hi + 1)}
-    steps |= {int(e["step"]) for e in read_run_events(run_dir)
-              if e.get("kind") == "trainer.numerics" and e.get("action") == "skip"}
+    # A guard skip counts only if it survived: a step redone after a restart ran clean (the fault
+    # fires once), so the last execution of each step by rank 0 decides.
+    last: dict[int, bool] = {}
+    for e in read_run_events(run_dir):
+        if e.get("kind") == "trainer.step" and e.get("source") == "trainer/rank0":
+            last[int(e["step"])] = bool(e.get("skipped"))
+    steps |= {step for step, skipped in last.items() if skipped}
     return [(s, s) for s in sorted(steps)]
 
 
