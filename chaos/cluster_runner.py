@@ -37,6 +37,8 @@ from elastic.control.runstate import RunState
 from elastic.control.store import EtcdStore, StoreError
 
 CHAOS_DIR = "chaos"
+FINISH_MARGIN_S = 5.0
+"""A fault posted less than this before the run finished counts as scheduled after its end."""
 
 
 @dataclass
@@ -96,6 +98,7 @@ class ClusterRunner:
         self.infra: Infra | None = None
         self._nets: list[NetFault] = []
         self._max_step = 0
+        self._finished_ts: float | None = None
 
     # -- set-up -----------------------------------------------------------------------
     def _start_infra(self) -> Infra:
@@ -196,7 +199,7 @@ class ClusterRunner:
             if self.spec.requeue and not finished:
                 self._requeue(nodes, events, outcome)
             if finished and finished_at is None:
-                finished_at = now
+                finished_at, self._finished_ts = now, time.time()
             if finished_at is not None and now - finished_at > 60:
                 events.emit("chaos.launchers_linger", running=nodes.running())
                 return False
@@ -292,6 +295,8 @@ class ClusterRunner:
         """Whether the run got to the fault's trigger (a fault planned past the end is not a failure)."""
         if p.posted is None:
             return False
+        if self._finished_ts is not None and self._finished_ts - p.posted.posted_ts < FINISH_MARGIN_S:
+            return False  # posted as the run was ending: its agent had no poll left to see it
         return p.spec.at_step is None or self._max_step >= p.spec.at_step
 
     def _requeue(self, nodes: NodeSet, events: EventLog, outcome: ClusterOutcome) -> None:

@@ -49,7 +49,7 @@ def _check_report(out: Path, proc: subprocess.CompletedProcess) -> dict:
 def test_short_soak_recovers_every_fault_and_accounts_goodput(tmp_path, subprocess_env):
     out = tmp_path / "soak"
     proc = _soak(out, subprocess_env, "--nodes", "2", "--duration", "60s", "--mtbf", "15s", "--seed", "3",
-                 "--faults", "kill_worker,nan,corrupt_checkpoint,etcd_outage", "--steps", "260",
+                 "--faults", "kill_worker,nan,corrupt_checkpoint,etcd_outage", "--steps", "450",
                  "--set", "agent.preflight.enabled=false", timeout=840)
     report = _check_report(out, proc)
     assert set(report["per_kind"]) <= {"kill_worker", "nan", "corrupt_checkpoint", "etcd_outage"}
