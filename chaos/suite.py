@@ -102,7 +102,10 @@ def standard_scenarios(nodes: list[str], steps: int, interval: int) -> list[Scen
         Scenario("partition", [_spec("partition", last, at_step=interval + 2, duration_s=8.0)],
                  ex(bitwise=False, launcher_rc=None, note="the world shrinks while the node is cut off, then grows"),
                  shrink=True, netns=True,
-                 sets=["agent.lease_ttl_s=4", "agent.heartbeat.step_timeout_s=6", "agent.pg_timeout_s=15"]),
+                 # In-process recovery is off here: its workers refuse a memory cache that is not on loopback
+                 # (memclient), and a node in a namespace reaches its agent at the namespace's address.
+                 sets=["agent.lease_ttl_s=4", "agent.heartbeat.step_timeout_s=6", "agent.pg_timeout_s=15",
+                       "agent.inprocess.enabled=false"]),
     ]
 
 
