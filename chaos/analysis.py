@@ -33,7 +33,7 @@ from chaos.injectors import checkpoint_root
 from elastic.common.events import read_run_events
 from elastic.common.procs import alive
 
-DETECTION_KINDS = ("agent.hang_detected", "agent.rollback", "checkpoint.save_failed")
+DETECTION_KINDS = ("agent.hang_detected", "agent.rollback", "checkpoint.save_failed", "leader.node_lost")
 
 
 @dataclass
@@ -47,6 +47,8 @@ class Expectation:
     required_events: list[str] = field(default_factory=list)
     """Event kinds that must appear after the first fault (the runtime noticed and reacted)."""
     note: str = ""
+    extra_invariants: list = field(default_factory=list)
+    """More checks, each ``events -> Invariant`` (e.g. a slow-but-unbroken run under etcd latency)."""
 
 
 @dataclass
@@ -54,9 +56,26 @@ class Invariant:
     name: str
     ok: bool
     detail: str
+    evidence: list[str] = field(default_factory=list)
+    """The event lines (or files) the verdict rests on, for the report."""
 
     def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "ok": self.ok, "detail": self.detail}
+        return {"name": self.name, "ok": self.ok, "detail": self.detail, "evidence": self.evidence[:8]}
+
+
+def evidence(events: list[dict], limit: int = 4) -> list[str]:
+    """Short one-line renderings of events: ``+12.3s agent/node1 agent.hang_detected verdict=culprit``."""
+    out = []
+    for e in events[:limit]:
+        extra = " ".join(f"{k}={_short(v)}" for k, v in e.items() if k not in ("ts", "source", "kind", "pid"))
+        out.append(f"{time.strftime('%H:%M:%S', time.localtime(e.get('ts', 0)))} {e.get('source')} "
+                   f"{e.get('kind')} {extra}"[:240])
+    return out
+
+
+def _short(value: Any) -> str:
+    text = json.dumps(value, default=str) if not isinstance(value, str) else value
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def verify_committed(root: Path) -> dict[int, str | None]:
@@ -165,12 +184,16 @@ def goodput(events: list[dict], wall_s: float) -> tuple[float, float]:
 
 
 def check_run(run_dir: Path, expect: Expectation, baseline_checksum: str | None, launcher_rc: int,
-              extra_pids: set[int] | None = None, orphan_wait_s: float = 20.0) -> dict[str, Any]:
-    """All invariants and metrics of one run, as a JSON-able dict."""
+              extra_pids: set[int] | None = None, orphan_wait_s: float = 20.0,
+              node_rcs: dict[str, int | None] | None = None, wall_s: float | None = None) -> dict[str, Any]:
+    """All invariants and metrics of one run, as a JSON-able dict.
+
+    ``node_rcs`` and ``wall_s`` come from the runner when the nodes were separate launchers (they
+    share the run directory, so no one ``summary.json`` speaks for the run); else from the summary.
+    """
     run_dir = Path(run_dir)
     events = read_run_events(run_dir)
-    summary_path = run_dir / "summary.json"
-    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    summary = _summary(run_dir, events, node_rcs, wall_s)
     injects = [e for e in events if e.get("kind") == "chaos.inject"]
     missed = [e for e in events if e.get("kind") == "chaos.not_injected"]
     failed = [e for e in missed if e.get("trigger_reached", True)]
@@ -181,29 +204,34 @@ def check_run(run_dir: Path, expect: Expectation, baseline_checksum: str | None,
         detail += f"; due but not injected: {[(m['fault'], m['reason']) for m in failed]}"
     if len(missed) > len(failed):
         detail += f"; {len(missed) - len(failed)} scheduled after the run ended"
-    inv.append(Invariant("faults_injected", not failed, detail))
+    inv.append(Invariant("faults_injected", not failed, detail, evidence(injects + missed, 8)))
     done = [e for e in events if e.get("kind") == "trainer.done"]
     last_step = summary.get("last_step", 0)
     rc_ok = expect.launcher_rc is None or launcher_rc == expect.launcher_rc
     inv.append(Invariant("completed", bool(done) and last_step >= expect.steps and rc_ok,
                          f"last_step={last_step}/{expect.steps}, trainer.done={len(done)}, launcher rc={launcher_rc}"
-                         + ("" if rc_ok else f" (expected {expect.launcher_rc})")))
+                         + ("" if rc_ok else f" (expected {expect.launcher_rc})"), evidence(done[-2:])))
 
     verdicts = verify_committed(checkpoint_root(run_dir))
     bad = {s: why for s, why in verdicts.items() if why}
     leftovers = sorted(p.name for p in checkpoint_root(run_dir).glob(".step-*"))
     inv.append(Invariant("checkpoints_intact", bool(verdicts) and not bad and not leftovers,
                          f"committed {sorted(verdicts)} verify" if verdicts and not bad and not leftovers else
-                         f"bad={bad} leftover_tmp={leftovers} committed={sorted(verdicts)}"))
+                         f"bad={bad} leftover_tmp={leftovers} committed={sorted(verdicts)}",
+                         [f"step {s}: {'sha256 of every listed file matches COMMIT' if not why else why}"
+                          for s, why in sorted(verdicts.items())][-4:]))
     for e in injects:
         if e["fault"] == "corrupt_checkpoint":
             inv.append(_corruption_handled(events, e))
+        if e["fault"] == "partition":
+            inv.append(_partition_healed(events, e))
 
     checksum = summary.get("final_checksum")
     if expect.bitwise:
         ok = checksum is not None and checksum == baseline_checksum
         inv.append(Invariant("weights_bitwise_equal", ok, f"final {str(checksum)[:12]} vs fault-free "
-                                                          f"{str(baseline_checksum)[:12]}"))
+                                                          f"{str(baseline_checksum)[:12]}",
+                             [f"final_checksum.txt: {checksum}", f"fault-free run:     {baseline_checksum}"]))
     else:
         losses = _final_losses(events)
         finite = bool(losses) and all(math.isfinite(v) for v in losses.values())
@@ -219,13 +247,15 @@ def check_run(run_dir: Path, expect: Expectation, baseline_checksum: str | None,
         if e.get("kind") == "chaos.exclusions":  # the etcd records, as the runner saw them
             excluded |= set(e.get("nodes", []))
     inv.append(Invariant("excluded_nodes", excluded == set(expect.excluded),
-                         f"excluded {sorted(excluded)}, expected {sorted(expect.excluded)}"))
+                         f"excluded {sorted(excluded)}, expected {sorted(expect.excluded)}",
+                         evidence([e for e in events if e.get("kind") == "agent.state" and e.get("state") == "EXCLUDED"])))
 
     if expect.required_events:
         first = min((e.get("injected_ts", e["ts"]) for e in injects), default=0.0)
-        seen = {k: bool(_after(events, first, k)) for k in expect.required_events}
+        seen = {k: _after(events, first, k) for k in expect.required_events}
         inv.append(Invariant("runtime_reacted", all(seen.values()),
-                             ", ".join(f"{k}: {'seen' if v else 'never emitted'}" for k, v in seen.items())))
+                             ", ".join(f"{k}: {'seen' if v else 'never emitted'}" for k, v in seen.items()),
+                             [line for found in seen.values() for line in evidence(found, 1)]))
 
     pids = {int(e.get("pid", 0)) for e in events if e.get("source") != "chaos"}
     for e in events:
@@ -245,6 +275,8 @@ def check_run(run_dir: Path, expect: Expectation, baseline_checksum: str | None,
                             f"planted but never acted on by the runtime: {inert}"))
     wall = float(summary.get("wall_s") or 0.0)
     productive, gp = goodput(events, wall)
+    if expect.extra_invariants:
+        inv += [check(events) for check in expect.extra_invariants]
     return {
         "ok": all(i.ok for i in inv),
         "invariants": [i.to_json() for i in inv],
@@ -257,6 +289,34 @@ def check_run(run_dir: Path, expect: Expectation, baseline_checksum: str | None,
         "productive_s": round(productive, 3),
         "goodput": round(gp, 4),
     }
+
+
+def _summary(run_dir: Path, events: list[dict], node_rcs: dict[str, int | None] | None,
+             wall_s: float | None) -> dict[str, Any]:
+    """What the checks need from ``summary.json``, from the events and files themselves when the
+    runner knows the nodes (several launchers share one run directory)."""
+    path = run_dir / "summary.json"
+    summary = json.loads(path.read_text()) if path.exists() and node_rcs is None else {}
+    if node_rcs is None:
+        return summary
+    checksum = run_dir / "final_checksum.txt"
+    return {"nodes": node_rcs, "wall_s": wall_s,
+            "last_step": max((e["step"] for e in events if e.get("kind") == "trainer.step"), default=0),
+            "final_checksum": checksum.read_text().strip() if checksum.exists() else None,
+            "restarts": sum(1 for e in events if e.get("kind") == "agent.restart")}
+
+
+def _partition_healed(events: list[dict], inject: dict) -> Invariant:
+    """The cut-off node was noticed, the link came back, and the node trained again afterwards."""
+    node, ts = inject["target"], inject.get("injected_ts", inject["ts"])
+    lost = [e for e in _after(events, ts, "leader.node_lost") if node in e.get("nodes", [])]
+    healed = [e for e in _after(events, ts, "chaos.healed") if e.get("target") == node]
+    back = [e for e in _after(events, healed[0]["ts"], "trainer.start") if e.get("node") == node] if healed else []
+    ok = bool(lost) and bool(healed) and bool(back)
+    detail = (f"{node}: lost after {lost[0]['ts'] - ts:.1f}s (lease expiry), healed after "
+              f"{healed[0]['ts'] - ts:.1f}s, training again {back[0]['ts'] - healed[0]['ts']:.1f}s after the heal"
+              if ok else f"{node}: detected={bool(lost)} healed={bool(healed)} rejoined={bool(back)}")
+    return Invariant("partition_detected_and_healed", ok, detail, evidence(lost[:1] + healed[:1] + back[:1]))
 
 
 def _corruption_handled(events: list[dict], inject: dict) -> Invariant:
@@ -274,7 +334,8 @@ def _corruption_handled(events: list[dict], inject: dict) -> Invariant:
     if not skipped:
         return Invariant("corrupt_checkpoint_skipped", False, f"step {step} not reported as skipped")
     return Invariant("corrupt_checkpoint_skipped", True,
-                     f"step {step} rejected ({skipped[0].get('reason')}); loaded {sorted({e['step'] for e in loads})}")
+                     f"step {step} rejected ({skipped[0].get('reason')}); loaded {sorted({e['step'] for e in loads})}",
+                     evidence(skipped[:1] + loads[:1]))
 
 
 def _final_losses(events: list[dict]) -> dict[int, float]:

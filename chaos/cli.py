@@ -1,14 +1,18 @@
 """``chaos``: inject faults into a local elastic run and check that it survives.
 
+    chaos suite --config examples/tiny.yaml --nodes 2 --quick
+    chaos soak --config examples/tiny.yaml --duration 10m --mtbf 60s
+    chaos inject --etcd-endpoint HOST:PORT --run-id ID --node node1 kill_worker
     chaos run plan.yaml -- elastic-launch examples/tiny.yaml --nodes 3
-    chaos suite --nodes 3 --quick
     chaos list
 
-``run`` fires a plan's faults into one launch and writes
-``<run_dir>/chaos/report.json`` and ``timeline.png``; ``suite`` runs a
-fault-free baseline plus one scenario per fault kind and checks invariants
-(exit 1 if a scenario that is not pending fails).  Plan errors print one line
-naming the field and exit 2.
+``suite`` runs a fault-free baseline of the job plus one scenario per fault kind, each as
+separate nodes against one etcd with faults delivered through etcd to the nodes' agents, and
+checks invariants; ``soak`` fires seeded random faults at one long run and reports goodput;
+both write ``report.json`` and a self-contained ``report.html`` and exit 1 unless every
+invariant held.  ``inject`` delivers one fault to a running run's node (signed with the run
+token); ``run`` fires a plan's faults into one local launch by signals.  Errors print one line
+naming the field or flag and exit 2.
 """
 
 from __future__ import annotations
@@ -30,16 +34,46 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--baseline-checksum", help="final checksum of a fault-free run: compare weights bitwise")
     run.add_argument("--expect-excluded", default="", help="comma-separated nodes that must end up excluded")
     run.add_argument("--timeout-s", type=float, default=600.0, help="SIGTERM the launch after this long")
-    suite = sub.add_parser("suite", help="baseline + one scenario per fault kind, with invariants")
-    suite.add_argument("--nodes", type=int, default=3, help="local nodes (>= 2; 3 adds the shrink scenarios)")
+    suite = sub.add_parser("suite", help="baseline + one scenario per fault kind against a job, with invariants")
+    _job_flags(suite, "runs/chaos-suite")
     suite.add_argument("--quick", action="store_true", help="only kill_worker and corrupt_checkpoint")
     suite.add_argument("--only", default="", help="comma-separated scenario names")
-    suite.add_argument("--steps", type=int, default=20)
-    suite.add_argument("--out", default="runs/chaos-suite", help="output directory (one run dir per scenario)")
-    suite.add_argument("--timeout-s", type=float, default=300.0, help="per-scenario launch timeout")
-    suite.add_argument("--jobs", type=int, default=1, help="scenario launches at a time (each its own cluster)")
+    suite.add_argument("--timeout-s", type=float, default=300.0, help="per-scenario run timeout")
+    suite.add_argument("--jobs", type=int, default=1, help="scenario runs at a time (each its own nodes)")
+    netns = suite.add_mutually_exclusive_group()
+    netns.add_argument("--netns", action="store_true", default=None,
+                       help="run the partition scenario (nodes in network namespaces; needs root and ip)")
+    netns.add_argument("--no-netns", dest="netns", action="store_false", help="skip the partition scenario")
+    soak = sub.add_parser("soak", help="seeded random faults at one long run; goodput per fault kind")
+    _job_flags(soak, "runs/chaos-soak")
+    soak.add_argument("--duration", default="10m", help="how long faults are fired (e.g. 90s, 10m)")
+    soak.add_argument("--mtbf", default="60s", help="mean time between faults (exponential inter-arrival)")
+    soak.add_argument("--seed", type=int, default=7)
+    soak.add_argument("--faults", default="", help="comma-separated fault kinds (default: the soak catalogue)")
+    soak.add_argument("--timeout-s", type=float, default=0.0, help="stop the run after this long (0: 3x duration)")
+    inject = sub.add_parser("inject", help="deliver one fault to a node of a running run, through etcd")
+    inject.add_argument("fault", help="fault kind (chaos list)")
+    inject.add_argument("--etcd-endpoint", required=True)
+    inject.add_argument("--run-id", required=True)
+    inject.add_argument("--node", required=True, help="the node whose agent executes it")
+    inject.add_argument("--config", help="the job's config (its security section names the run token)")
+    inject.add_argument("--key-prefix", default="/elastic")
+    inject.add_argument("--param", action="append", default=[], metavar="KEY=VALUE", help="fault parameter")
+    inject.add_argument("--at-step", type=int, help="fire on the node's first step report at or after this step")
+    inject.add_argument("--no-token", action="store_true", help="send it unsigned (to see it refused)")
+    inject.add_argument("--wait-s", type=float, default=30.0, help="wait this long for the agent's answer")
     sub.add_parser("list", help="the registered faults and their parameters")
     return p
+
+
+def _job_flags(p: argparse.ArgumentParser, out: str) -> None:
+    p.add_argument("--config", help="the job's run config YAML (default: a built-in small MLP job)")
+    p.add_argument("--nodes", type=int, help="nodes per run (default: the job's launch.nodes)")
+    p.add_argument("--steps", type=int, help="training steps (default: the job's)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a job field for every run, e.g. --set trainer.fp8.enabled=true")
+    p.add_argument("--etcd-endpoint", help="an etcd to run against (cluster mode); default: one chaos starts")
+    p.add_argument("--out", default=out, help="output directory (one run dir per scenario)")
 
 
 def _check_timeout(value: float) -> None:
@@ -83,24 +117,59 @@ def _cmd_run(args: argparse.Namespace, launch_cmd: list[str]) -> int:
     return 0 if result["ok"] else 1
 
 
+def _check_job_flags(args: argparse.Namespace) -> None:
+    if args.nodes is not None and args.nodes < 2:
+        raise ConfigError("--nodes", "needs at least 2 nodes")
+    if args.steps is not None and args.steps < 1:
+        raise ConfigError("--steps", "must be >= 1")
+    if args.config and not Path(args.config).is_file():
+        raise ConfigError("--config", f"no such file: {args.config}")
+    if args.etcd_endpoint:
+        from elastic.control.store import parse_endpoint
+
+        try:
+            parse_endpoint(args.etcd_endpoint)
+        except ValueError as exc:
+            raise ConfigError("--etcd-endpoint", str(exc)) from None
+
+
 def _cmd_suite(args: argparse.Namespace) -> int:
     from chaos.suite import SuiteConfig, run_suite
 
-    if args.nodes < 2:
-        raise ConfigError("--nodes", "the suite needs at least 2 nodes")
+    _check_job_flags(args)
     only = tuple(n for n in args.only.split(",") if n)
     if args.jobs < 1:
         raise ConfigError("--jobs", "must be >= 1")
-    if args.steps < 1:
-        raise ConfigError("--steps", "must be >= 1")
     _check_timeout(args.timeout_s)
-    cfg = SuiteConfig(Path(args.out).resolve(), num_nodes=args.nodes, steps=args.steps, only=only,
-                      timeout_s=args.timeout_s, jobs=args.jobs)
+    cfg = SuiteConfig(Path(args.out).resolve(), config=Path(args.config).resolve() if args.config else None,
+                      num_nodes=args.nodes, steps=args.steps, sets=list(args.set), only=only,
+                      timeout_s=args.timeout_s, jobs=args.jobs, etcd_endpoint=args.etcd_endpoint, netns=args.netns)
     try:
         report = run_suite(cfg, quick=args.quick)
     except ValueError as exc:
         raise ConfigError("--only", str(exc)) from None
     return 0 if report["ok"] else 1
+
+
+def _cmd_soak(args: argparse.Namespace) -> int:
+    from chaos.soak import SoakConfig, parse_duration, run_soak
+
+    _check_job_flags(args)
+    duration = parse_duration(args.duration, "--duration")
+    mtbf = parse_duration(args.mtbf, "--mtbf")
+    faults = tuple(n for n in args.faults.split(",") if n)
+    cfg = SoakConfig(Path(args.out).resolve(), config=Path(args.config).resolve() if args.config else None,
+                     num_nodes=args.nodes, steps=args.steps, sets=list(args.set), duration_s=duration, mtbf_s=mtbf,
+                     seed=args.seed, faults=faults, etcd_endpoint=args.etcd_endpoint,
+                     timeout_s=args.timeout_s or 3 * duration + 300)
+    report = run_soak(cfg)
+    return 0 if report["ok"] else 1
+
+
+def _cmd_inject(args: argparse.Namespace) -> int:
+    from chaos.inject_cmd import inject_once
+
+    return inject_once(args)
 
 
 def _cmd_list() -> int:
@@ -130,6 +199,10 @@ def main(argv: list[str] | None = None) -> int:
             return _cmd_run(args, launch_cmd)
         if args.command == "suite":
             return _cmd_suite(args)
+        if args.command == "soak":
+            return _cmd_soak(args)
+        if args.command == "inject":
+            return _cmd_inject(args)
         return _cmd_list()
     except ConfigError as exc:
         print(f"chaos: error: {exc}", file=sys.stderr)

@@ -204,3 +204,4 @@ from chaos.state_faults import (  # noqa: E402,F401
     newest_committed,
 )
 from chaos.worker_faults import CheckpointWriteError, NanLoss, Straggler  # noqa: E402,F401
+from chaos.netfaults import EtcdLatency, Partition  # noqa: E402,F401

@@ -34,7 +34,7 @@ import yaml
 from chaos.injectors import REGISTRY, Injector
 from elastic.common.config import ConfigError, from_dict
 
-_FAULT_KEYS = ("fault", "target", "at_step", "at_time_s", "params")
+_FAULT_KEYS = ("fault", "target", "at_step", "at_time_s", "params", "after")
 _RANDOM_KEYS = ("mtbf_s", "seed", "faults", "protected", "max_faults", "start_s", "params")
 
 
@@ -45,6 +45,8 @@ class FaultSpec:
     at_step: int | None = None
     at_time_s: float | None = None
     params: Any = None
+    after: int | None = None
+    """Index of another fault of the plan on the same node that must have run first (etcd delivery)."""
 
     @property
     def before_launch(self) -> bool:
@@ -124,7 +126,10 @@ def _fault(raw: Any, path: str) -> FaultSpec:
     if at_time is not None and (isinstance(at_time, bool) or not isinstance(at_time, (int, float))):
         raise ConfigError(f"{path}.at_time_s", f"expected a number, got {at_time!r}")
     params = _params(name, raw.get("params"), f"{path}.params")
-    spec = FaultSpec(name, target, at_step, float(at_time) if at_time is not None else None, params)
+    after = raw.get("after")
+    if after is not None and (isinstance(after, bool) or not isinstance(after, int) or after < 0):
+        raise ConfigError(f"{path}.after", f"expected the index of an earlier fault, got {after!r}")
+    spec = FaultSpec(name, target, at_step, float(at_time) if at_time is not None else None, params, after)
     if spec.before_launch and REGISTRY[name].needs_run:
         raise ConfigError(f"{path}.at_time_s", f"{name} needs running processes; 0 (before launch) is only "
                                                "for file faults")

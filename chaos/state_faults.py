@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -16,29 +15,24 @@ import yaml
 
 from chaos.follow import parse_target
 from chaos.injection import InjectionContext, InjectionRecord, Injector, TargetNotFound, _kill, register
+from elastic.checkpoint.corrupt import Corruption, NothingToCorrupt, corrupt_newest, newest_committed  # noqa: F401
 from elastic.common.procs import alive
 from elastic.run.schema import RESOLVED_NAME, load_run_file
 from elastic.worker.faults import FAULTS_DIR
 
 
 @dataclass(kw_only=True)
-class CorruptParams:
-    mode: Literal["flip", "truncate"] = "flip"
-    """flip: invert ``num_bytes`` bytes in the middle of the file; truncate: cut the file in half."""
-    num_bytes: int = 16
-    file: str | None = None
-    """File inside the checkpoint to damage; default: the largest data file."""
+class CorruptParams(Corruption):
+    """How to damage the newest committed checkpoint (see :class:`elastic.checkpoint.corrupt.Corruption`)."""
+
+    min_step: int = 0
+    """Delivered through etcd: wait until a checkpoint of this step or later is committed."""
 
     def __post_init__(self) -> None:
         if self.num_bytes < 1:
             from elastic.common.config import ConfigError
 
             raise ConfigError("num_bytes", "must be >= 1")
-
-
-def newest_committed(checkpoint_root: Path) -> Path | None:
-    steps = sorted(p for p in checkpoint_root.glob("step-*") if (p / "COMMIT").is_file())
-    return steps[-1] if steps else None
 
 
 @register("corrupt_checkpoint")
@@ -50,31 +44,12 @@ class CorruptCheckpoint(Injector):
 
     def inject(self, ctx: InjectionContext) -> InjectionRecord:
         root = checkpoint_root(ctx.run_dir)
-        newest = newest_committed(root)
-        if newest is None:
-            raise TargetNotFound(f"no committed checkpoint under {root}")
-        if self.params.file is not None:
-            victim = newest / self.params.file
-        else:
-            listed = json.loads((newest / "COMMIT").read_text()).get("files", {})
-            candidates = [newest / name for name in listed if (newest / name).is_file()]
-            if not candidates:
-                raise TargetNotFound(f"{newest.name} lists no files")
-            victim = max(candidates, key=lambda p: (p.stat().st_size, p.name))
-        size = victim.stat().st_size
-        if self.params.mode == "truncate":
-            os.truncate(victim, size // 2)
-            detail = {"truncated_to": size // 2}
-        else:
-            offset = max(size // 2 - self.params.num_bytes // 2, 0)
-            with open(victim, "r+b") as fh:
-                fh.seek(offset)
-                data = fh.read(self.params.num_bytes)
-                fh.seek(offset)
-                fh.write(bytes(b ^ 0xFF for b in data))
-            detail = {"offset": offset, "flipped": len(data)}
-        step = int(newest.name.split("-")[1])
-        return self._record(ctx, checkpoint_step=step, file=str(victim), size=size, mode=self.params.mode, **detail)
+        try:
+            detail = corrupt_newest(root, Corruption(mode=self.params.mode, num_bytes=self.params.num_bytes,
+                                                     file=self.params.file))
+        except NothingToCorrupt as exc:
+            raise TargetNotFound(str(exc)) from None
+        return self._record(ctx, **detail)
 
 
 def checkpoint_root(run_dir: Path) -> Path:

@@ -1,18 +1,18 @@
-"""The standard chaos suite: a fault-free baseline, then one scenario per fault kind.
+"""The standard chaos suite against a job: a fault-free baseline, then one scenario per fault kind.
 
-Every scenario is a real local launch (embedded etcd, one agent per node,
-torchrun, the minimal FSDP2 trainer on gloo) under a small fault plan, and
-is checked against the invariants of :mod:`chaos.analysis`.  Final weights
-are compared bitwise with the baseline wherever the fault cannot change the
-data the model sees (process kills, hangs, etcd outages, checkpoint
-corruption: the run resumes from a committed checkpoint and replays the same
-batches).  Where it does change them (a NaN rollback skips a batch; a lost or
-excluded node shrinks the world) the suite checks that the run finished with
-finite losses instead, and says so in the invariant's detail.
+``chaos suite --config job.yaml`` runs the operator's own job (any workload, e.g. the DiT of
+``examples/tiny.yaml``, FP8 and cp=2 included via ``--set``); without ``--config`` a small
+built-in MLP job.  Every scenario is a real run of separate nodes against one etcd, faults
+delivered through etcd to the target node's agent (:mod:`chaos.cluster_runner`), and is sized
+from the job: with checkpoint interval I, faults land around step 2I (a committed checkpoint
+before and after).  Final weights are compared bitwise with the job's own fault-free baseline
+where the fault cannot change the data seen (kills, hangs, etcd faults, checkpoint damage: the
+run resumes from a commit and replays the same batches); after a NaN the run skips a batch, so
+it is compared with a fault-free *replay* that skips the same batches; a lost or excluded node
+changes the world size, so there only finite weights are checked, and the detail says so.
 
-Scenarios that exercise a runtime contract not yet in this checkout carry a
-``pending`` note naming it; their failures are reported as XFAIL, not
-hidden, and do not fail the suite.
+A scenario the job cannot run (a shrink the global batch does not divide, a partition without
+network namespaces) is listed as skipped with the reason, never silently dropped.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 import shutil
 import time
-from concurrent.futures import ThreadPoolExecutor, as_completed
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,12 +28,16 @@ from typing import Any
 import yaml
 
 from chaos.analysis import Expectation, check_run
-from chaos.injectors import REGISTRY, EtcdOutage
+from chaos.cluster_runner import ClusterOutcome, ClusterRunner, ClusterSpec
+from chaos.injectors import REGISTRY
 from chaos.plan import FaultSpec
 from chaos.report import format_table, plot_timeline, write_json
-from chaos.runner import ChaosRunner, resolve_launch
+from elastic.common.config import ConfigError, from_dict
+from elastic.common.events import read_run_events
+from elastic.run.schema import RunConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+QUICK = ("kill_worker", "corrupt_checkpoint")
 
 
 @dataclass
@@ -41,78 +45,98 @@ class Scenario:
     name: str
     faults: list[FaultSpec]
     expect: Expectation
-    nodes: str | None = None
-    """Override of launch.nodes (elastic scenarios run as "N-1:N")."""
-    overrides: dict[str, Any] = field(default_factory=dict)
-    pending: str = ""
-    """Which runtime contract this scenario still waits for (failures are then XFAIL)."""
+    shrink: bool = False
+    """Runs elastic as ``N-1:N`` (a node may be lost for good)."""
+    sets: list[str] = field(default_factory=list)
+    """Extra ``--set`` items (short timeouts the scenario needs)."""
+    proxy: bool = False
+    netns: bool = False
+    replay: bool = False
+    """Compare with a fault-free replay that skips the batches this run skipped."""
+    skipped: str = ""
 
 
 def _spec(fault: str, target: str, at_step: int | None = None, at_time_s: float | None = None,
-          **params: Any) -> FaultSpec:
-    from elastic.common.config import from_dict
-
-    return FaultSpec(fault, target, at_step, at_time_s, from_dict(REGISTRY[fault].Params, params))
+          after: int | None = None, **params: Any) -> FaultSpec:
+    return FaultSpec(fault, target, at_step, at_time_s, from_dict(REGISTRY[fault].Params, params), after)
 
 
-def standard_scenarios(num_nodes: int, steps: int, interval: int) -> list[Scenario]:
-    """One scenario per fault kind, sized for ``num_nodes`` local nodes."""
-    last = f"node{num_nodes - 1}"
-    shrink = f"{num_nodes - 1}:{num_nodes}" if num_nodes > 2 else None
+def standard_scenarios(nodes: list[str], steps: int, interval: int) -> list[Scenario]:
+    """One scenario per fault kind, sized from the job's checkpoint interval and step count."""
+    first, last = nodes[1], nodes[-1]
     ckpt = interval * 2  # a step with a committed checkpoint before it and after it
 
     def ex(**kw: Any) -> Expectation:
         return Expectation(steps=steps, **kw)
 
-    # Hang detection by the agent's step heartbeat; a short timeout keeps the scenario short.
-    hang_overrides: dict[str, Any] = {"agent.heartbeat.step_timeout_s": 4}
-    scenarios = [
-        Scenario("kill_worker", [_spec("kill_worker", "node1", at_step=ckpt - 2)], ex()),
+    fast_hang = ["agent.heartbeat.step_timeout_s=4"]
+    return [
+        Scenario("kill_worker", [_spec("kill_worker", first, at_step=ckpt - 2)], ex()),
         Scenario("corrupt_checkpoint",
-                 [_spec("corrupt_checkpoint", "any", at_step=ckpt + 1),
-                  _spec("kill_worker", "node1", at_step=ckpt + 1)], ex()),
-        Scenario("kill_during_checkpoint", [_spec("kill_during_checkpoint", "rank1", at_step=ckpt - 1,
-                                                  min_step=ckpt)], ex()),
+                 [_spec("corrupt_checkpoint", first, at_step=ckpt + 1, min_step=ckpt),
+                  _spec("kill_worker", first, at_step=ckpt + 1, after=0)], ex(),
+                 # In-process recovery resumes from the per-step memory snapshot and never reads the disk:
+                 # the damaged commit only matters on the restart path, which is what this tests.
+                 sets=["agent.inprocess.enabled=false"]),
+        Scenario("kill_during_checkpoint", [_spec("kill_during_checkpoint", first, min_step=ckpt)], ex()),
         Scenario("kill_during_rendezvous",
-                 [_spec("kill_worker", "node0", at_step=interval + 1),
-                  _spec("kill_during_rendezvous", "node1", at_step=interval + 1)], ex()),
+                 [_spec("kill_worker", nodes[0], at_step=interval + 1),
+                  _spec("kill_during_rendezvous", first, at_step=0)], ex()),
         Scenario("etcd_outage", [_spec("etcd_outage", "etcd", at_step=interval + 2, duration_s=3.0)], ex()),
-        Scenario("hang_worker", [_spec("hang_worker", "node1", at_step=interval + 2)],
-                 ex(required_events=["agent.hang_detected"]), overrides=hang_overrides),
-        Scenario("straggler", [_spec("straggler", "node1", at_step=interval, delay_s=0.3, num_steps=4)],
+        Scenario("etcd_latency", [_spec("etcd_latency", "etcd", at_step=interval, latency_s=0.3, duration_s=10.0)],
+                 ex(), proxy=True),
+        Scenario("hang_worker", [_spec("hang_worker", first, at_step=interval + 2)],
+                 ex(required_events=["agent.hang_detected"]), sets=fast_hang),
+        Scenario("straggler", [_spec("straggler", first, at_step=interval, delay_s=0.3, num_steps=4)],
                  ex(required_events=["fault.fired"])),
-        Scenario("nan", [_spec("nan", "rank0", at_time_s=0, step=ckpt + 1)],
-                 ex(bitwise=False, required_events=["agent.rollback"],
-                    note="the NaN rollback skips a batch, so the data seen differs")),
-        Scenario("ckpt_write_error", [_spec("ckpt_write_error", "any", at_time_s=0, step=ckpt)],
+        Scenario("nan", [_spec("nan", nodes[0], at_time_s=0, step=ckpt + 1)],
+                 ex(required_events=["fault.fired", "trainer.numerics"],
+                    note="compared with a fault-free replay that skips the same batches"), replay=True),
+        Scenario("ckpt_write_error", [_spec("ckpt_write_error", nodes[0], at_time_s=0, step=ckpt)],
                  ex(required_events=["checkpoint.save_failed"])),
+        Scenario("kill_agent", [_spec("kill_agent", last, at_step=interval + 2)],
+                 ex(bitwise=False, launcher_rc=None, note="the world shrinks to the surviving nodes"), shrink=True),
+        Scenario("bad_hardware", [_spec("bad_hardware", last, at_time_s=0)],
+                 ex(bitwise=False, excluded={last}, launcher_rc=None,
+                    note="the excluded node leaves a smaller world"), shrink=True),
+        Scenario("partition", [_spec("partition", last, at_step=interval + 2, duration_s=8.0)],
+                 ex(bitwise=False, launcher_rc=None, note="the world shrinks while the node is cut off, then grows"),
+                 shrink=True, netns=True,
+                 # In-process recovery is off here: its workers refuse a memory cache that is not on loopback
+                 # (memclient), and a node in a namespace reaches its agent at the namespace's address.
+                 sets=["agent.lease_ttl_s=4", "agent.heartbeat.step_timeout_s=6", "agent.pg_timeout_s=15",
+                       "agent.inprocess.enabled=false"]),
     ]
-    if shrink:
-        scenarios += [
-            Scenario("kill_agent", [_spec("kill_agent", last, at_step=interval + 2)],
-                     ex(bitwise=False, launcher_rc=None, note="the world shrinks to the surviving nodes"),
-                     nodes=shrink),
-            Scenario("bad_hardware", [_spec("bad_hardware", last, at_time_s=0)],
-                     ex(bitwise=False, excluded={last}, launcher_rc=None,
-                        note="the excluded node leaves a smaller world"), nodes=shrink),
-        ]
-    return scenarios
-
-
-QUICK = ("kill_worker", "corrupt_checkpoint")
 
 
 @dataclass
 class SuiteConfig:
     out_dir: Path
-    num_nodes: int = 3
-    steps: int = 20
-    interval: int = 4
-    step_sleep: float = 0.1
+    config: Path | None = None
+    """The operator's job; None: the built-in MLP job."""
+    num_nodes: int | None = None
+    """Nodes per run; default: the job's launch.nodes (its maximum)."""
+    steps: int | None = None
+    sets: list[str] = field(default_factory=list)
+    """``--set KEY=VALUE`` for every run of the suite (baseline included)."""
     only: tuple[str, ...] = ()
     timeout_s: float = 300.0
     jobs: int = 1
-    """Launches run at once (each is its own local cluster with its own etcd)."""
+    etcd_endpoint: str | None = None
+    netns: bool | None = None
+    """Run the partition scenario (needs root and ``ip``); None: when this host allows it."""
+
+
+@dataclass
+class Job:
+    """The job the suite runs, resolved once: its config file and what the scenarios are sized from."""
+
+    config: Path
+    cfg: RunConfig
+    nodes: list[str]
+    steps: int
+    interval: int
+    token: str | None = field(default=None, repr=False)
 
 
 def child_env() -> dict[str, str]:
@@ -122,89 +146,181 @@ def child_env() -> dict[str, str]:
     return env
 
 
-def write_config(path: Path, run_dir: Path, cfg: SuiteConfig) -> Path:
+def write_config(path: Path, run_dir: Path, num_nodes: int = 3, steps: int = 20, interval: int = 4,
+                 step_sleep: float = 0.1) -> Path:
+    """The built-in job: the small MLP workload."""
     data = {
         "run": {"id": "chaos", "dir": str(run_dir)},
-        "launch": {"nodes": str(cfg.num_nodes), "nproc_per_node": 1},
+        "launch": {"nodes": str(num_nodes), "nproc_per_node": 1},
         "agent": {"max_restarts": 3, "term_grace_s": 2},
-        "checkpoint": {"interval_steps": cfg.interval, "keep_last": 2},
-        "trainer": {"steps": cfg.steps, "batch_size": 8, "dim": 16, "depth": 2, "lr": 0.01,
-                    "step_sleep": cfg.step_sleep},
+        "checkpoint": {"interval_steps": interval, "keep_last": 2},
+        "trainer": {"steps": steps, "batch_size": 8, "dim": 16, "depth": 2, "lr": 0.01, "step_sleep": step_sleep},
     }
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     return path
 
 
-@dataclass
-class _Launched:
-    name: str
-    scenario: Scenario | None
-    entry: dict[str, Any]
-    rc: int
-    extra_pids: set[int]
+def resolve_job(cfg: SuiteConfig, extra_sets: list[str] = (), nodes_flag: str | None = None) -> Job:
+    from launch.cli import build_parser, resolve_config
+
+    config = cfg.config or write_config(cfg.out_dir / "builtin-job.yaml", cfg.out_dir / "builtin",
+                                        num_nodes=cfg.num_nodes or 3)
+    argv = [str(config)] + [a for item in [*cfg.sets, *extra_sets] for a in ("--set", item)]
+    if cfg.steps is not None:
+        argv += ["--steps", str(cfg.steps)]
+    if nodes_flag or cfg.num_nodes:
+        argv += ["--nodes", nodes_flag or str(cfg.num_nodes)]
+    run = resolve_config(build_parser().parse_args(argv))
+    interval, steps = run.checkpoint.interval_steps, run.trainer_steps()
+    if steps is None:
+        raise ConfigError("--steps", "the job's trainer section names no step count; give --steps")
+    if steps < 2 * interval + 2:
+        raise ConfigError("--steps", f"the suite needs at least {2 * interval + 2} steps (two checkpoint intervals "
+                                     f"of {interval} and a step after), the job has {steps}")
+    nodes = [f"node{i}" for i in range(run.launch.max_nodes)]
+    if len(nodes) < 2:
+        raise ConfigError("--nodes", "the suite needs at least 2 nodes")
+    return Job(Path(config).resolve(), run, nodes, steps, interval, run.security.token(path="security"))
 
 
-def launch_scenario(scenario: Scenario | None, name: str, cfg: SuiteConfig) -> _Launched:
-    """Run one scenario's launch under its plan (no checks yet: those need the baseline's checksum)."""
+def _applicable(scenario: Scenario, cfg: SuiteConfig, job: Job) -> str:
+    """Why the scenario cannot run against this job here ("" when it can)."""
+    if scenario.shrink:
+        if len(job.nodes) < 3 and scenario.name != "partition":
+            return "needs 3 nodes (the world shrinks by one and must still be a world)"
+        try:
+            resolve_job(cfg, scenario.sets, f"{len(job.nodes) - 1}:{len(job.nodes)}")
+        except ConfigError as exc:
+            return f"the job cannot shrink to {len(job.nodes) - 1} nodes: {exc}"
+    if scenario.netns:
+        from chaos.netns import available
+
+        why = available()
+        if cfg.netns is False or why:
+            return why or "network namespaces not requested (--netns)"
+    if scenario.name == "etcd_outage" and cfg.etcd_endpoint:
+        scenario.proxy = True  # the operator's etcd is not ours to stop: blackhole it at the proxy
+    return ""
+
+
+def _run_id(job: Job, name: str, stamp: str) -> str:
+    return f"{job.cfg.run.id}-{name}-{stamp}"[:64]
+
+
+def run_scenario(scenario: Scenario | None, name: str, cfg: SuiteConfig, job: Job, stamp: str,
+                 skip_ranges: list[tuple[int, int]] = ()) -> tuple[dict[str, Any], ClusterOutcome]:
     base = cfg.out_dir / name
-    run_dir = base / "run"
-    # A scenario always starts from nothing: a previous suite's checkpoints would be resumed.
-    shutil.rmtree(run_dir, ignore_errors=True)
-    config = write_config(base / "run.yaml", run_dir, cfg)
-    argv = ["elastic-launch", str(config)]
-    if scenario is not None and scenario.nodes:
-        argv += ["--nodes", scenario.nodes]
-    for key, value in (scenario.overrides if scenario else {}).items():
-        argv += ["--set", f"{key}={value}"]
-    launch = resolve_launch(argv)
-    faults = scenario.faults if scenario else []
-    runner = ChaosRunner(launch, faults, env=child_env(), timeout_s=cfg.timeout_s)
+    shutil.rmtree(base, ignore_errors=True)  # a scenario starts from nothing (no checkpoints to resume)
+    n = len(job.nodes)
+    spec = ClusterSpec(job.config, _run_id(job, name, stamp), base / "run", job.nodes,
+                       f"{n - 1}:{n}" if scenario and scenario.shrink else str(n), child_env(),
+                       key_prefix=job.cfg.rendezvous.key_prefix, steps=job.steps,
+                       overrides=[*cfg.sets, *(scenario.sets if scenario else [])], etcd_endpoint=cfg.etcd_endpoint,
+                       proxy=bool(scenario and scenario.proxy), netns=bool(scenario and scenario.netns),
+                       token=job.token, interval=job.interval, nproc_per_node=job.cfg.launch.nproc_per_node,
+                       skip_ranges=list(skip_ranges), timeout_s=cfg.timeout_s)
     t0 = time.monotonic()
-    outcome = runner.run()
-    extra = {i.respawned_pid for i in runner.injectors if isinstance(i, EtcdOutage) and i.respawned_pid}
-    entry = {"name": name, "run_dir": str(run_dir), "argv": argv, "plan": [f.describe() for f in faults],
-             "pending": scenario.pending if scenario else "", "timed_out": outcome.timed_out,
-             "elapsed_s": round(time.monotonic() - t0, 1)}
-    return _Launched(name, scenario, entry, outcome.rc, extra)
+    outcome = ClusterRunner(spec, scenario.faults if scenario else []).run()
+    entry = {"name": name, "run_dir": str(spec.run_dir), "run_id": spec.run_id, "nodes": spec.node_range,
+             "plan": [f.describe() for f in (scenario.faults if scenario else [])], "timed_out": outcome.timed_out,
+             "elapsed_s": round(time.monotonic() - t0, 1), "node_rcs": outcome.node_rcs,
+             "skip_ranges": outcome.skip_ranges}
+    return entry, outcome
 
 
-def check_scenario(launched: _Launched, cfg: SuiteConfig, baseline: str | None) -> dict[str, Any]:
-    scenario = launched.scenario
-    expect = scenario.expect if scenario else Expectation(steps=cfg.steps, bitwise=False, note="reference run")
-    result = check_run(Path(launched.entry["run_dir"]), expect, baseline, launched.rc,
-                       extra_pids=launched.extra_pids)
-    return {**launched.entry, "result": result}
+def skipped_steps(run_dir: Path, outcome: ClusterOutcome) -> list[tuple[int, int]]:
+    """Batches the run skipped: the agents' rollback ranges (etcd) and the guard's own skips (events)."""
+    steps = {s for lo, hi in outcome.skip_ranges for s in range(lo, hi + 1)}
+    # A guard skip counts only if it survived: a step redone after a restart ran clean (the fault
+    # fires once), so the last execution of each step by rank 0 decides.
+    last: dict[int, bool] = {}
+    for e in read_run_events(run_dir):
+        if e.get("kind") == "trainer.step" and e.get("source") == "trainer/rank0":
+            last[int(e["step"])] = bool(e.get("skipped"))
+    steps |= {step for step, skipped in last.items() if skipped}
+    return [(s, s) for s in sorted(steps)]
 
 
-def run_suite(cfg: SuiteConfig, quick: bool = False, echo=print) -> dict[str, Any]:
-    """Baseline + scenarios, ``cfg.jobs`` launches at a time; then the checks, the report, the table."""
-    scenarios = standard_scenarios(cfg.num_nodes, cfg.steps, cfg.interval)
+def check(entry: dict[str, Any], outcome: ClusterOutcome, expect: Expectation,
+          reference: str | None) -> dict[str, Any]:
+    result = check_run(Path(entry["run_dir"]), expect, reference, outcome.rc, node_rcs=outcome.node_rcs,
+                       wall_s=outcome.wall_s)
+    return {**entry, "result": result}
+
+
+def _choose(cfg: SuiteConfig, job: Job, quick: bool) -> tuple[list[Scenario], list[Scenario]]:
+    scenarios = standard_scenarios(job.nodes, job.steps, job.interval)
     wanted = cfg.only or (QUICK if quick else tuple(s.name for s in scenarios))
     unknown = sorted(set(wanted) - {s.name for s in scenarios})
     if unknown:
         raise ValueError(f"unknown scenario {unknown[0]!r} (known: {', '.join(s.name for s in scenarios)})")
     chosen = [s for s in scenarios if s.name in wanted]
-    t0 = time.monotonic()
-    echo(f"chaos suite: baseline + {len(chosen)} scenarios on {cfg.num_nodes} local nodes, {cfg.steps} steps, "
-         f"{cfg.jobs} at a time")
-    jobs: list[tuple[Scenario | None, str]] = [(None, "baseline")] + [(s, s.name) for s in chosen]
+    for s in chosen:
+        s.skipped = _applicable(s, cfg, job)
+    return [s for s in chosen if not s.skipped], [s for s in chosen if s.skipped]
+
+
+def _launch_all(cfg: SuiteConfig, job: Job, runnable: list[Scenario], stamp: str, echo) -> dict[str, tuple]:
+    jobs: list[tuple[Scenario | None, str]] = [(None, "baseline")] + [(s, s.name) for s in runnable]
+    done: dict[str, tuple] = {}
     with ThreadPoolExecutor(max_workers=cfg.jobs) as pool:
-        futures = [pool.submit(launch_scenario, scenario, name, cfg) for scenario, name in jobs]
-        for future in as_completed(futures):
-            done = future.result()
-            echo(f"  {done.name}: launch rc={done.rc} in {done.entry['elapsed_s']}s")
-        launched = [f.result() for f in futures]
-    base = check_scenario(launched[0], cfg, None)
+        futures = {name: pool.submit(run_scenario, scenario, name, cfg, job, stamp) for scenario, name in jobs}
+        for name, future in futures.items():
+            done[name] = future.result()
+            echo(f"  {name}: nodes rc={done[name][1].node_rcs} in {done[name][0]['elapsed_s']}s")
+    return done
+
+
+def _reference(s: Scenario, done: dict[str, tuple], baseline: str | None, cfg: SuiteConfig, job: Job,
+               stamp: str, echo) -> tuple[str | None, dict[str, Any] | None]:
+    """The checksum a scenario's weights must equal: the baseline's, or a replay's that skips the same batches."""
+    if not s.replay:
+        return baseline, None
+    entry, outcome = done[s.name]
+    skips = skipped_steps(Path(entry["run_dir"]), outcome)
+    if not skips:
+        return baseline, None
+    replay_entry, replay_outcome = run_scenario(None, f"{s.name}-replay", cfg, job, stamp, skips)
+    echo(f"  {s.name}-replay (fault-free, skipping {skips}): nodes rc={replay_outcome.node_rcs}")
+    checked = check(replay_entry, replay_outcome, Expectation(steps=job.steps, bitwise=False,
+                                                             note="fault-free replay"), None)
+    return checked["result"]["final_checksum"], checked
+
+
+def run_suite(cfg: SuiteConfig, quick: bool = False, echo=print) -> dict[str, Any]:
+    """Baseline + scenarios (``cfg.jobs`` at a time), the checks, then JSON, timeline, HTML and the table."""
+    from chaos.html import write_suite_html
+
+    cfg.out_dir.mkdir(parents=True, exist_ok=True)
+    job = resolve_job(cfg)
+    runnable, skipped = _choose(cfg, job, quick)
+    stamp = f"{int(time.time()) % 1000000:06d}"
+    t0 = time.monotonic()
+    echo(f"chaos suite: {job.config.name} ({job.cfg.workload().name if job.cfg.workload() else 'custom'}), "
+         f"baseline + {len(runnable)} scenarios on {len(job.nodes)} nodes, {job.steps} steps, checkpoint every "
+         f"{job.interval}; {len(skipped)} skipped")
+    done = _launch_all(cfg, job, runnable, stamp, echo)
+    base = check(*done["baseline"], Expectation(steps=job.steps, bitwise=False, note="reference run"), None)
     reference = base["result"]["final_checksum"]
-    results = [base] + [check_scenario(item, cfg, reference) for item in launched[1:]]
-    failed = [r["name"] for r in results if not r["result"]["ok"] and not r["pending"]]
-    report = {"nodes": cfg.num_nodes, "steps": cfg.steps, "jobs": cfg.jobs, "baseline_checksum": reference,
-              "ok": not failed, "failed": failed, "elapsed_s": round(time.monotonic() - t0, 1),
-              "scenarios": results}
+    results, replays = [base], []
+    for s in runnable:
+        ref, replay = _reference(s, done, reference, cfg, job, stamp, echo)
+        replays += [replay] if replay else []
+        results.append({**check(*done[s.name], s.expect, ref), "reference": "replay" if replay else "baseline"})
+    failed = [r["name"] for r in results if not r["result"]["ok"]]
+    report = {"job": str(job.config), "workload": job.cfg.workload().name if job.cfg.workload() else "custom",
+              "nodes": len(job.nodes), "steps": job.steps, "checkpoint_interval": job.interval, "sets": cfg.sets,
+              "etcd": cfg.etcd_endpoint or "chaos-started (loopback)", "jobs": cfg.jobs,
+              "baseline_checksum": reference, "ok": not failed and reference is not None, "failed": failed,
+              "skipped": [{"name": s.name, "reason": s.skipped} for s in skipped], "replays": replays,
+              "elapsed_s": round(time.monotonic() - t0, 1), "scenarios": results}
     write_json(report, cfg.out_dir / "report.json")
     plot_timeline(results, cfg.out_dir / "timeline.png")
+    html = write_suite_html(report, cfg.out_dir / "report.html", cfg.out_dir / "timeline.png")
     echo(format_table(results))
+    for s in skipped:
+        echo(f"skipped {s.name}: {s.skipped}")
     echo(f"suite {'passed' if report['ok'] else 'FAILED: ' + ', '.join(failed)} in {report['elapsed_s']}s; "
-         f"report: {cfg.out_dir / 'report.json'}  timeline: {cfg.out_dir / 'timeline.png'}")
+         f"report: {cfg.out_dir / 'report.json'}  html: {html}  timeline: {cfg.out_dir / 'timeline.png'}")
     return report

@@ -34,6 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run-dir", help="run directory (run.dir)")
     p.add_argument("--max-restarts", type=int, help="per-node restart budget (agent.max_restarts)")
     p.add_argument("--steps", type=int, help="training steps (trainer.steps)")
+    p.add_argument("--allow-chaos", action="store_true",
+                   help="execute chaos faults delivered to this node through etcd (agent.chaos.enabled; off by default)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override any config field, e.g. --set checkpoint.interval_steps=5")
     add_security_flags(p)
@@ -63,6 +65,8 @@ def resolve_config(args: argparse.Namespace) -> RunConfig:
             except ConfigError as exc:
                 raise ConfigError(f"--{attr.replace('_', '-')}", exc.message) from None
     cfg = apply_security_flags(cfg, args)
+    if args.allow_chaos:
+        cfg = override(cfg, "agent.chaos.enabled", True)
     for item in args.set:
         key, sep, raw = item.partition("=")
         if not sep or not key:

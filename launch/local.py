@@ -117,6 +117,11 @@ class Launcher:
             self.cfg.fingerprint = self.cfg.compute_fingerprint()
             config_path = self.run_dir / RESOLVED_NAME
             dump_run_file(self.cfg, config_path)
+            if self.cfg.launch.etcd_endpoint:
+                # Every host's launcher writes the shared file; its own agent reads a copy of its own,
+                # so per-node settings (agent.chaos, agent.metrics, credentials) stay per node.
+                config_path = self.run_dir / f"config.resolved-{self.node_ids()[0]}.yaml"
+                dump_run_file(self.cfg, config_path)
             endpoint = self._endpoint()
             self.events.emit("launcher.start", run_id=self.cfg.run.id, nodes=self.cfg.launch.nodes,
                              endpoint=endpoint, local=self.etcd is not None)

@@ -16,7 +16,7 @@ NODES = ["node0", "node1", "node2"]
 def test_every_catalogue_fault_is_registered():
     assert set(REGISTRY) == {
         "kill_worker", "kill_agent", "hang_worker", "straggler", "nan", "corrupt_checkpoint", "ckpt_write_error",
-        "etcd_outage", "bad_hardware", "kill_during_rendezvous", "kill_during_checkpoint",
+        "etcd_outage", "bad_hardware", "kill_during_rendezvous", "kill_during_checkpoint", "etcd_latency", "partition",
     }
 
 

@@ -1,10 +1,12 @@
-"""End to end: `chaos suite --quick` and `chaos run` on real local launches (etcd, agents, torchrun, gloo).
+"""End to end: `chaos suite` against the user's job, and `chaos run` on a local launch.
 
-The quick suite is a fault-free baseline plus two scenarios on 2 nodes:
-kill_worker (SIGKILL node1's worker mid-run) and corrupt_checkpoint (flip
-bytes in the newest committed checkpoint, then kill a worker so that the
-restart has to reject it and resume from the one before).  Both must finish
-with weights bitwise equal to the baseline.
+The quick suite runs ``examples/tiny.yaml`` (the DiT workload) as separate nodes against one
+etcd: a fault-free baseline, then kill_worker (a SIGKILL delivered through etcd to node1's agent
+at step 2I-2) and corrupt_checkpoint (node1's agent damages its shard of the newest commit, then
+kills its worker, so the restart has to reject that commit and resume from the one before).
+(that scenario turns in-process recovery off: the snapshot path never reads the disk).
+Both must end with weights bitwise equal to the baseline, and the suite writes JSON, a timeline
+and a self-contained HTML report next to it.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -19,42 +22,68 @@ import yaml
 from tests.launch_helpers import write_run_config
 
 pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.timeout(420)
-def test_quick_suite_kill_worker_and_corrupt_checkpoint(tmp_path, subprocess_env):
+def _suite(out: Path, env: dict, *args: str, timeout: int = 800) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "chaos", "suite", "--config", str(REPO / "examples" / "tiny.yaml"),
+                           "--out", str(out), *args], env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def _failed(report: dict) -> dict:
+    return {s["name"]: [i for i in s["result"]["invariants"] if not i["ok"]] for s in report["scenarios"]
+            if not s["result"]["ok"]}
+
+
+@pytest.mark.timeout(900)
+def test_quick_suite_against_the_tiny_dit_job(tmp_path, subprocess_env):
     out = tmp_path / "suite"
-    proc = subprocess.run([sys.executable, "-m", "chaos", "suite", "--nodes", "2", "--quick", "--steps", "16",
-                           "--jobs", "3", "--out", str(out)],
-                          env=subprocess_env, capture_output=True, text=True, timeout=400)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    # Steps 28 with the job's checkpoint interval 10: faults land around step 20.
+    proc = _suite(out, subprocess_env, "--nodes", "2", "--quick", "--steps", "28",
+                  "--set", "agent.preflight.enabled=false")
     report = json.loads((out / "report.json").read_text())
+    assert proc.returncode == 0 and report["ok"], (_failed(report), proc.stdout[-3000:], proc.stderr[-3000:])
+    assert report["workload"] == "dit" and report["checkpoint_interval"] == 10 and report["steps"] == 28
     by_name = {s["name"]: s for s in report["scenarios"]}
     assert list(by_name) == ["baseline", "kill_worker", "corrupt_checkpoint"]
-    for name, scenario in by_name.items():
-        failed = [i for i in scenario["result"]["invariants"] if not i["ok"]]
-        assert not failed, (name, failed)
     names = {s: {i["name"] for i in by_name[s]["result"]["invariants"]} for s in by_name}
     assert {"completed", "checkpoints_intact", "no_orphans", "excluded_nodes"} <= names["baseline"]
-    assert "weights_bitwise_equal" in names["kill_worker"]
     assert {"weights_bitwise_equal", "corrupt_checkpoint_skipped"} <= names["corrupt_checkpoint"]
 
     kill = by_name["kill_worker"]["result"]["faults"][0]
-    assert kill["fault"] == "kill_worker" and kill["restarted"]
-    assert kill["resume_step"] == 4  # the newest committed checkpoint before the kill at step >= 6
-    assert kill["steps_lost"] == kill["last_step_before"] - 4 >= 2
-    assert 0 < kill["recovery_s"] < 120 and kill["detection_s"] < kill["recovery_s"]
-    assert by_name["kill_worker"]["result"]["final_checksum"] == report["baseline_checksum"]
+    assert kill["fault"] == "kill_worker" and kill["restarted"] and kill["injected_at_step"] >= 18
+    # In-process recovery resumes from the newest per-step snapshot; a restart from the step-10 commit.
+    assert 10 <= kill["resume_step"] <= kill["last_step_before"]
+    assert 0 < kill["detection_s"] < kill["recovery_s"]
+    # Delivered through etcd: the agent of node1 executed it and said so.
+    chaos_events = [json.loads(line) for line in
+                    (Path(by_name["kill_worker"]["run_dir"]) / "events" / "chaos.jsonl").read_text().splitlines()]
+    inject = next(e for e in chaos_events if e["kind"] == "chaos.inject")
+    assert inject["by"] == "agent/node1" and inject["pids"] == kill["pids"]
 
     corrupt, killed = by_name["corrupt_checkpoint"]["result"]["faults"]
-    assert corrupt["fault"] == "corrupt_checkpoint" and killed["fault"] == "kill_worker"
-    assert killed["resume_step"] == 4  # step 8 was corrupted, so the restart fell back to step 4
+    assert corrupt["fault"] == "corrupt_checkpoint" and killed["resume_step"] == 10  # step 20 was damaged
 
+    html = (out / "report.html").read_text()
+    assert "every invariant held" in html and "data:image/png;base64," in html
     assert (out / "timeline.png").read_bytes()[:4] == b"\x89PNG"
-    table = proc.stdout
-    assert "scenario" in table and "steps_lost" in table
     for name in by_name:
-        assert any(line.startswith(name) and "PASS" in line for line in table.splitlines()), table
+        assert any(line.startswith(name) and "PASS" in line for line in proc.stdout.splitlines()), proc.stdout
+
+
+@pytest.mark.timeout(700)
+def test_kill_worker_with_fp8_and_context_parallel(tmp_path, subprocess_env):
+    """cp=2 over the two nodes (one rank each), FP8 linears: the same recovery, bitwise."""
+    out = tmp_path / "suite"
+    proc = _suite(out, subprocess_env, "--nodes", "2", "--only", "kill_worker", "--steps", "24",
+                  "--set", "trainer.fp8.enabled=true", "--set", "trainer.parallel.cp=2",
+                  "--set", "agent.preflight.enabled=false")
+    report = json.loads((out / "report.json").read_text())
+    assert proc.returncode == 0 and report["ok"], (_failed(report), proc.stdout[-3000:], proc.stderr[-3000:])
+    start = next(json.loads(line) for line in
+                 (Path(report["scenarios"][1]["run_dir"]) / "events" / "trainer-rank0.jsonl").read_text().splitlines()
+                 if '"trainer.start"' in line)
+    assert start["cp"] == 2 and start["fp8_layers"] > 0
 
 
 @pytest.mark.timeout(300)

@@ -129,6 +129,23 @@ class PreflightConfig:
 
 
 @dataclass(kw_only=True)
+class ChaosConfig:
+    """Faults delivered through etcd (``chaos`` in cluster mode, :mod:`elastic.agent.remote_faults`)."""
+
+    enabled: bool = False
+    """Execute fault requests addressed to this node (``elastic-launch --allow-chaos``); off: refuse them."""
+    poll_s: float = 1.0
+    """How often the agent looks for new requests in etcd (step-triggered ones then fire on the step)."""
+    max_age_s: float = 600.0
+    """A request older than this (or this far in the future) is refused as stale or replayed."""
+
+    def __post_init__(self) -> None:
+        for name in ("poll_s", "max_age_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(name, "must be > 0")
+
+
+@dataclass(kw_only=True)
 class AgentConfig:
     max_restarts: int = 3
     """torchrun relaunches after failures of this node before the agent gives up."""
@@ -150,6 +167,7 @@ class AgentConfig:
     preflight: PreflightConfig = field(default_factory=PreflightConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     inprocess: InProcessConfig = field(default_factory=InProcessConfig)
+    chaos: ChaosConfig = field(default_factory=ChaosConfig)
 
     def __post_init__(self) -> None:
         if self.max_restarts < 0:

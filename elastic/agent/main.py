@@ -39,7 +39,8 @@ def build_agent(cfg: RunConfig, args: argparse.Namespace, token: str | None) -> 
     admission = Admission(run_id=args.run_id, node_id=args.node_id, token=token,
                           fingerprint=join_fingerprint(to_dict(cfg)), join_check=cfg.security.join_check)
     return NodeAgent(spec, cfg.agent, cfg.rendezvous, admission, memory=cfg.checkpoint.memory, replicas=cfg.replicas,
-                     inprocess=cfg.inprocess_recovery())
+                     inprocess=cfg.inprocess_recovery(),
+                     checkpoint_root=cfg.checkpoint.root(run_dir))
 
 
 def main(argv: list[str] | None = None) -> int:

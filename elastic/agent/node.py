@@ -30,6 +30,7 @@ import sys
 import threading
 import time
 from enum import Enum
+from pathlib import Path
 
 from elastic.agent.attempt import AttemptResult, NodeSpec, Outcome, ReportInbox, TorchrunAttempt
 from elastic.agent.config import AgentConfig, RendezvousConfig
@@ -38,6 +39,7 @@ from elastic.agent.metrics import AgentMetrics, MeteredEventLog
 from elastic.agent.records import NodeRecords
 from elastic.agent.inprocess import InProcessWorkers, inprocess_env, memory_store, peer_address
 from elastic.agent.metrics import serve_metrics
+from elastic.agent.remote_faults import RemoteFaults
 from elastic.agent.scopes import make_scope
 from elastic.agent.screener import Screener
 from elastic.agent.supervise import Supervisor
@@ -76,7 +78,8 @@ class AgentState(str, Enum):
 class NodeAgent:
     def __init__(self, spec: NodeSpec, config: AgentConfig, rdzv: RendezvousConfig, admission: Admission | None = None,
                  memory: MemoryCacheConfig | None = None, replicas: ReplicaConfig | None = None,
-                 store: KVStore | None = None, inprocess: bool = False) -> None:
+                 store: KVStore | None = None, inprocess: bool = False,
+                 checkpoint_root: Path | None = None) -> None:
         self.spec, self.config, self.rdzv, self.admission = spec, config, rdzv, admission
         self.store = store if store is not None else EtcdStore(spec.endpoint)
         self.keys = RunKeys.of(rdzv.key_prefix, spec.run_id)
@@ -106,6 +109,10 @@ class NodeAgent:
                                      self.scope, self.records, self.progress, self._stop, lambda: self.status.value)
         self.supervisor.screener_record = self.screener.recorded
         self._screen_spec: dict | None = None
+        self.remote = RemoteFaults(config.chaos, spec.node_id, spec.run_id, spec.run_dir,
+                                   checkpoint_root or spec.run_dir / "checkpoints", self.state, self.events,
+                                   admission.token if admission is not None else None)
+        self.supervisor.faults = self.remote
         self.metrics.watch_silence(lambda: self.supervisor.monitor.silent_for()
                                    if self.status == AgentState.RUNNING else 0.0)
 
@@ -179,6 +186,7 @@ class NodeAgent:
                 self.events.emit("agent.refused", reason=str(exc), rc=exc.code)
                 self._say(f"refused: {exc}")
                 return exc.code
+        self.remote.poll()  # faults planted before the start (bad readings for the screen) land now
         excluded = self.state.exclusions.get(self.spec.node_id)
         if excluded is not None:
             # A node excluded by a failed screen may come back by passing one (repaired); an

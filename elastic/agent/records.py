@@ -28,6 +28,7 @@ class NodeRecords:
         self.metrics_address = metrics_address
         self.extra = extra or {}  # e.g. where peers reach this node's snapshot store
         self.lease: LeaseKeeper | None = None
+        self._published: tuple[str, int] | None = None
 
     @property
     def lease_id(self) -> int | None:
@@ -42,12 +43,27 @@ class NodeRecords:
             return None
 
     def publish_node(self, agent_state: str, failures: int) -> None:
+        self._published = (agent_state, failures)
         if self.lease is None:
             return
         record = {"node": self.node_id, "host": socket.gethostname(), "pid": os.getpid(), "state": agent_state,
                   "failures": failures, "ts": time.time(), "metrics": self.metrics_address(), **self.extra}
         self.quietly("publish_node", lambda: self.state.put_node(self.node_id, record, lease=self.lease_id))
 
+    def renew_lost_lease(self) -> None:
+        """After an outage or partition longer than the TTL the lease is gone: register again on a new one."""
+        old = self.lease
+        if old is None or not old.lost.is_set():
+            return
+        fresh = self.quietly("renew_lease", old.renewed)
+        if fresh is None:
+            return
+        self.lease = fresh
+        self.events.emit("agent.lease_renewed", lease=fresh.lease_id)
+        if self._published is not None:
+            self.publish_node(*self._published)
+
     def heartbeat(self, epoch: int, agent_state: str, summary: dict[str, Any]) -> None:
+        self.renew_lost_lease()
         record = {"node": self.node_id, "epoch": epoch, "state": agent_state, "ts": time.time(), **summary}
         self.quietly("heartbeat", lambda: self.state.put_heartbeat(self.node_id, record, lease=self.lease_id))

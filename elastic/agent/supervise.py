@@ -21,6 +21,7 @@ from elastic.agent.heartbeat import HeartbeatMonitor, Silence
 from elastic.agent.inprocess import InProcessWorkers
 from elastic.agent.metrics import AgentMetrics
 from elastic.agent.records import NodeRecords
+from elastic.agent.remote_faults import RemoteFaults
 from elastic.agent.scopes import RestartScope
 from elastic.common.events import EventLog
 from elastic.control.runstate import RunState
@@ -50,6 +51,8 @@ class Supervisor:
         self.on_failure: Callable[[AttemptResult], bool] = lambda result: False
         self.screened = None  # the verdict of the node screen run inside the first worker
         self.screener_record = lambda report: None  # set by the agent: records that verdict
+        self.faults: RemoteFaults | None = None
+        """Chaos faults delivered through etcd: fed this node's reports, polled every loop."""
 
     def stop_attempt(self, attempt: TorchrunAttempt, reason: str) -> None:
         workers = self.workers
@@ -71,6 +74,8 @@ class Supervisor:
         self.workers, self.on_failure = workers, on_failure
         self._numerics_step: int | None = None
         self.screened = None
+        if self.faults is not None:
+            self.faults.attach(attempt.proc.pid if attempt.proc else None, epoch)
         next_poll = next_beat = time.monotonic()
         while True:
             result = self._exited(attempt, epoch)
@@ -82,6 +87,10 @@ class Supervisor:
             for report in self.inbox.drain():
                 self.metrics.observe_report(report)
                 self._on_report(report, attempt, epoch)
+                if self.faults is not None:
+                    self.faults.observe(report)
+            if self.faults is not None:
+                self.faults.poll()
             now = time.monotonic()
             if now >= next_poll:
                 next_poll = now + self.config.epoch_poll_s

@@ -41,9 +41,10 @@ EXIT_FINGERPRINT = 95
 
 # Fields that may differ between the nodes of one run: where this node keeps its files, its
 # addresses (workers, metrics endpoint), how it reaches etcd, which credentials it holds,
-# rank 0's TensorBoard output, and the derived checkpoint fingerprint.
+# whether it executes chaos faults, rank 0's TensorBoard output, and the derived checkpoint fingerprint.
 PER_NODE_FIELDS = ("run.dir", "launch.node_id", "launch.etcd_endpoint", "launch.local_addr",
-                   "launch.respawn_excluded", "agent.metrics", "tensorboard", "etcd", "security", "fingerprint")
+                   "launch.respawn_excluded", "agent.metrics", "agent.chaos", "tensorboard", "etcd", "security",
+                   "fingerprint")
 
 _PBKDF2_ITERATIONS = 100_000
 _ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")

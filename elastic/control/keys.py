@@ -16,6 +16,8 @@ can be listed, inspected (``elastic status``) and cleaned up as one prefix range
     admission/{token,fingerprint}
     checkpoint/latest          newest committed checkpoint (a hint; disk is the truth)
     torchft/{lighthouse,finished}
+    chaos/requests/<node>/<id>  a fault for that node's agent to execute (HMAC'd with the run token)
+    chaos/results/<node>/<id>   what the agent did with it (executed, or refused and why)
     gen/<epoch>/<g>/...        in-process re-formation of generation g of an epoch (members, joins,
                                lost nodes, plan, the c10d store of the generation's process groups)
     rdzv/closed                the rendezvous was closed (torchrun's set_closed / shutdown)
@@ -135,6 +137,20 @@ class RunKeys:
 
     def diag(self, node_id: str) -> str:
         return self._k("diag", node_id)
+
+    # -- chaos: faults delivered through etcd to a node's agent ----------------
+    def chaos_request(self, node_id: str, request_id: str) -> str:
+        return self._k("chaos", "requests", node_id, request_id)
+
+    def chaos_requests(self, node_id: str) -> str:
+        return self._k("chaos", "requests", node_id, "")
+
+    def chaos_result(self, node_id: str, request_id: str) -> str:
+        return self._k("chaos", "results", node_id, request_id)
+
+    def chaos_results(self, node_id: str = "") -> str:
+        """Prefix of one node's results, or of every node's (``node_id`` empty)."""
+        return self._k("chaos", "results", node_id, "") if node_id else self._k("chaos", "results", "")
 
     # -- rendezvous ---------------------------------------------------------
     def rdzv(self, *parts: str) -> str:

@@ -206,6 +206,7 @@ class LeaderLoop:
         self.events = events
         self.election = LeaderElection(state.store, state.keys.leader, node_id, config.ttl_s)
         self.is_leader = False
+        self._members: tuple[int, set[str]] | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="leader", daemon=True)
 
@@ -244,5 +245,20 @@ class LeaderLoop:
             if self.state.exclusions.get(node) is None:  # expired or cleared: the node may return
                 self.policy.forget(node)
         # Compare nodes of the same membership only.
-        self.policy.evaluate_stragglers(self.state.heartbeats(epoch=self.state.epoch()))
+        epoch = self.state.epoch()
+        beats = self.state.heartbeats(epoch=epoch)
+        self.check_lost(epoch, set(beats))
+        self.policy.evaluate_stragglers(beats)
         self.policy.evaluate_lemons(self.state.failures())
+
+    def check_lost(self, epoch: int, members: set[str]) -> None:
+        """A node of this membership whose heartbeat vanished (its lease expired: crashed, partitioned
+        from etcd) makes the others re-form now, instead of each waiting out its collective timeout."""
+        seen, self._members = self._members, (epoch, members)
+        if seen is None or seen[0] != epoch:
+            return
+        lost = seen[1] - members
+        if not lost or self.state.finished():
+            return
+        current, moved = self.state.bump_epoch(epoch)
+        self.events.emit("leader.node_lost", nodes=sorted(lost), epoch=epoch, new_epoch=current, bumped=moved)

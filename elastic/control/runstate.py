@@ -190,6 +190,22 @@ class RunState:
     def publish_checkpoint(self, record: dict[str, Any]) -> None:
         self._put(self.keys.checkpoint_latest, record)
 
+    # -- chaos faults delivered through etcd -------------------------------------------------
+    def post_fault(self, node_id: str, request_id: str, request: dict[str, Any]) -> None:
+        self._put(self.keys.chaos_request(node_id, request_id), request)
+
+    def fault_requests(self, node_id: str) -> dict[str, dict[str, Any]]:
+        """This node's fault requests by id (an unreadable one reads as ``{}``, refused later)."""
+        base = self.keys.chaos_requests(node_id)
+        return {RunKeys.tail(kv.key, base): decode(kv) or {} for kv in self.store.get_prefix(base)}
+
+    def put_fault_result(self, node_id: str, request_id: str, result: dict[str, Any]) -> None:
+        self._put(self.keys.chaos_result(node_id, request_id), result)
+
+    def fault_results(self, node_id: str = "") -> dict[str, dict[str, Any]]:
+        """Results by ``<node>/<id>`` (all nodes), or by id (one node)."""
+        return self._records(self.keys.chaos_results(node_id))
+
     # -- numerics rollback ----------------------------------------------------------------
     def skip_ranges(self) -> list[tuple[int, int]]:
         record = self._record(self.keys.numerics) or {}
@@ -198,6 +214,11 @@ class RunState:
     def skip_spec(self) -> str:
         """The skip ranges as the workers read them (``"12-12,30-31"``)."""
         return ",".join(f"{lo}-{hi}" for lo, hi in self.skip_ranges())
+
+    def seed_skip_ranges(self, ranges: list[tuple[int, int]], by: str) -> None:
+        """Before a run starts: the batches its workers skip (a fault-free replay of a run that rolled back)."""
+        record = {"ranges": [{"lo": lo, "hi": hi, "epoch": -1, "by": by} for lo, hi in ranges], "rollbacks": 0}
+        self.store.put(self.keys.numerics, json.dumps(record))
 
     def record_rollback(self, bad_step: int, epoch: int, by: str, skip_before: int,
                         max_rollbacks: int) -> RollbackVerdict:

@@ -489,6 +489,10 @@ class LeaseKeeper:
             except StoreError as exc:
                 log.warning("lease %x refresh failed (will retry): %s", self.lease_id, exc)
 
+    def renewed(self) -> LeaseKeeper:
+        """A keeper of a new lease with the same TTL and callback (this one was lost)."""
+        return LeaseKeeper(self.store, self.ttl, self._on_lost)
+
     def close(self, revoke: bool = True) -> None:
         self._stop.set()
         self._thread.join(timeout=2)

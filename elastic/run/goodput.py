@@ -46,26 +46,31 @@ def compute_goodput(events: list[dict[str, Any]]) -> dict[str, Any]:
 
     startup = (steps[0]["ts"] - steps[0]["step_time"] - t_start) if steps else wall
 
-    # Recovery gaps: around each trainer.start after the first, from the last step
-    # before it to the beginning of the first step after it.
-    recovery = 0.0
+    # Recovery gaps: around each trainer.start after the first, from the last step before it to
+    # the beginning of the first step after it.  Two restarts with no step between them share one
+    # gap, so gaps are counted once each.
     starts = [e for e in rank0 if e["kind"] == "trainer.start"]
+    gaps: set[tuple[float, float]] = set()
     for start in starts[1:]:
         before = [e for e in steps if e["ts"] <= start["ts"]]
         after = [e for e in steps if e["ts"] > start["ts"]]
         if before and after:
-            recovery += (after[0]["ts"] - after[0]["step_time"]) - before[-1]["ts"]
+            gaps.add((before[-1]["ts"], after[0]["ts"] - after[0]["step_time"]))
+    recovery = sum(max(hi - lo, 0.0) for lo, hi in gaps)
 
+    # Checkpoint time blocking training; a save inside a recovery gap (the last one before a
+    # failure) is already part of that gap and is not counted twice.
     checkpoint = 0.0
     pending: dict[int, float] = {}
     for e in rank0:
         if e["kind"] == "checkpoint.save_start":
             pending[e["step"]] = e["ts"]
         elif e["kind"] == "checkpoint.staged" and "blocking_s" in e:
-            checkpoint += float(e["blocking_s"])
-            pending.pop(e["step"], None)
+            began = pending.pop(e["step"], e["ts"] - float(e["blocking_s"]))
+            checkpoint += _outside(began, began + float(e["blocking_s"]), gaps)
         elif e["kind"] == "checkpoint.committed" and e["step"] in pending:
-            checkpoint += e["ts"] - pending.pop(e["step"])
+            began = pending.pop(e["step"])
+            checkpoint += _outside(began, e["ts"], gaps)
 
     parts = {"productive_s": productive, "startup_s": startup, "recovery_s": recovery,
              "checkpoint_s": checkpoint, "lost_s": lost}
@@ -76,6 +81,12 @@ def compute_goodput(events: list[dict[str, Any]]) -> dict[str, Any]:
     out["steps_redone"] = len(steps) - len(kept)
     out["restarts"] = max(len(starts) - 1, 0)
     return out
+
+
+def _outside(lo: float, hi: float, gaps: set[tuple[float, float]]) -> float:
+    """Length of [lo, hi] not covered by any of the (disjoint) ``gaps``."""
+    covered = sum(max(min(hi, g_hi) - max(lo, g_lo), 0.0) for g_lo, g_hi in gaps)
+    return max(hi - lo - covered, 0.0)
 
 
 def _reference_source(events: list[dict[str, Any]]) -> str:

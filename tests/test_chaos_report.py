@@ -1,0 +1,184 @@
+"""Pieces of the suite and soak that need no training run: goodput accounting, the etcd proxy's
+knobs (real sockets on loopback), the soak's plan and per-kind costs, and the HTML report in a real
+headless browser."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import subprocess
+import threading
+import time
+
+import pytest
+
+from chaos.etcd_proxy import EtcdProxy
+from chaos.html import write_soak_html, write_suite_html
+from chaos.soak import PARTS, goodput_invariant, parse_duration, per_kind
+from elastic.common.config import ConfigError
+from elastic.run.goodput import compute_goodput
+
+
+def _steps(t0: float, steps: range, step_time: float = 1.0) -> list[dict]:
+    return [{"ts": t0 + i * step_time, "source": "trainer/rank0", "kind": "trainer.step", "step": s,
+             "step_time": step_time} for i, s in enumerate(steps, start=1)]
+
+
+def test_goodput_parts_partition_the_wall_time_with_back_to_back_restarts_and_a_save_in_the_gap():
+    ev = [{"ts": 0.0, "source": "launcher", "kind": "launcher.start"},
+          {"ts": 10.0, "source": "trainer/rank0", "kind": "trainer.start", "step": 0}]
+    ev += _steps(10.0, range(1, 5))  # steps 1..4 end at 11..14
+    ev += [{"ts": 14.1, "source": "trainer/rank0", "kind": "checkpoint.save_start", "step": 4},
+           {"ts": 14.6, "source": "trainer/rank0", "kind": "checkpoint.staged", "step": 4, "blocking_s": 0.5},
+           {"ts": 14.7, "source": "trainer/rank0", "kind": "checkpoint.save_start", "step": 5},  # a save the kill cut
+           {"ts": 16.0, "source": "trainer/rank0", "kind": "trainer.start", "step": 4},  # restart ...
+           {"ts": 19.0, "source": "trainer/rank0", "kind": "trainer.start", "step": 4}]  # ... killed again at once
+    ev += _steps(20.0, range(5, 9))  # 5..8 end at 21..24
+    g = compute_goodput(ev)
+    assert g["recovery_s"] == 6.0  # one gap 14 -> 20, not one per restart
+    assert g["checkpoint_s"] == 0.0  # the save at 14.1 lies inside that gap
+    assert g["productive_s"] == 8.0 and g["startup_s"] == 10.0
+    assert abs(sum(g[p] for p in PARTS) - g["wall_s"]) < 1e-6
+    assert goodput_invariant(g).ok
+    assert not goodput_invariant({**g, "recovery_s": g["recovery_s"] + 3}).ok
+
+
+def test_soak_durations_and_per_kind_costs():
+    assert parse_duration("10m", "--duration") == 600 and parse_duration("90s", "--mtbf") == 90
+    assert parse_duration("1.5h", "--duration") == 5400 and parse_duration("45", "--mtbf") == 45
+    with pytest.raises(ConfigError, match="--mtbf"):
+        parse_duration("soon", "--mtbf")
+    events = _steps(0.0, range(1, 11), 0.5) + [{"ts": 30.0, "kind": "trainer.step", "source": "trainer/rank0",
+                                                   "step": 11, "step_time": 0.5}]
+    metrics = [{"fault": "kill_worker", "took_effect": True, "restarted": True, "recovery_s": 8.0, "steps_lost": 2},
+               {"fault": "kill_worker", "took_effect": True, "restarted": True, "recovery_s": None, "steps_lost": 0},
+               {"fault": "straggler", "took_effect": True, "restarted": False, "fault_ts": 2.0, "steps_lost": 0}]
+    kinds = per_kind(metrics, events, wall=100.0)
+    assert kinds["kill_worker"] == {"injected": 2, "recovered": 1, "steps_lost": 2, "cost_s": 9.0,
+                                    "mean_recovery_s": 8.0, "max_recovery_s": 8.0, "goodput_cost": 0.09}
+    assert kinds["straggler"]["recovered"] == 1
+
+
+def _echo_server() -> tuple[socket.socket, threading.Thread]:
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(8)
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            threading.Thread(target=_echo, args=(conn,), daemon=True).start()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    return server, thread
+
+
+def _echo(conn: socket.socket) -> None:
+    with conn:
+        while data := conn.recv(4096):
+            conn.sendall(data)
+
+
+def _round_trip(endpoint: str, payload: bytes = b"ping", timeout: float = 10.0) -> tuple[bytes, float]:
+    host, _, port = endpoint.rpartition(":")
+    t0 = time.monotonic()
+    with socket.create_connection((host, int(port)), timeout=timeout) as conn:
+        conn.sendall(payload)
+        data = conn.recv(4096)
+    return data, time.monotonic() - t0
+
+
+def test_proxy_adds_latency_drops_and_blackholes_then_heals():
+    server, _ = _echo_server()
+    proxy = EtcdProxy(f"127.0.0.1:{server.getsockname()[1]}", seed=1).start()
+    try:
+        assert _round_trip(proxy.endpoint)[0] == b"ping"
+        proxy.set(latency_s=0.25)
+        data, took = _round_trip(proxy.endpoint)
+        assert data == b"ping" and took >= 0.5  # 0.25 s each way
+        proxy.set(latency_s=0.0, drop_rate=1.0)
+        try:
+            data, _ = _round_trip(proxy.endpoint, timeout=5)
+        except OSError:  # a reset; or the close reads as EOF below
+            data = b""
+        assert data == b"" and proxy.dropped >= 1
+        proxy.set(drop_rate=0.0, blackhole=True)
+        with pytest.raises(socket.timeout):
+            _round_trip(proxy.endpoint, timeout=0.5)
+        proxy.reset()
+        assert _round_trip(proxy.endpoint)[0] == b"ping"
+    finally:
+        proxy.close()
+        server.close()
+
+
+def _suite_report(png) -> dict:
+    inv = [{"name": "completed", "ok": True, "detail": "last_step=40/40", "evidence": ["10:00:01 trainer/rank0 "
+                                                                                     "trainer.done step=40"]},
+           {"name": "weights_bitwise_equal", "ok": False, "detail": "final aa vs fault-free bb <&>",
+            "evidence": ["final_checksum.txt: aa", "fault-free run: bb"]}]
+    fault = {"fault": "kill_worker", "target": "node1", "injected_at_step": 18, "took_effect": True,
+             "detected_by": "agent.state/FAILED", "detection_s": 1.2, "recovery_s": 9.5, "steps_lost": 8,
+             "resume_step": 10}
+    scenario = {"name": "kill_worker", "run_dir": "/tmp/x", "plan": ["kill_worker -> node1 @ step 18"],
+                "nodes": "2", "result": {"ok": False, "invariants": inv, "faults": [fault], "goodput": 0.41,
+                                         "wall_s": 30.0}}
+    return {"job": "examples/tiny.yaml", "workload": "dit", "nodes": 2, "steps": 40, "checkpoint_interval": 10,
+            "sets": [], "etcd": "loopback", "baseline_checksum": "bb", "ok": False, "failed": ["kill_worker"],
+            "skipped": [{"name": "partition", "reason": "network namespaces need root"}], "elapsed_s": 99.0,
+            "scenarios": [scenario]}
+
+
+def _timeline_png(path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(4, 2))
+    ax.plot([0, 1, 2], [0, 5, 10])
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def _chromium(*args: str, cwd=None) -> subprocess.CompletedProcess:
+    binary = shutil.which("chromium") or shutil.which("chromium-browser")
+    if binary is None:
+        pytest.skip("no chromium (apt-get install chromium; .ci/run installs it)")
+    return subprocess.run([binary, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                           "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                           *args], capture_output=True, text=True, timeout=120, cwd=cwd)
+
+
+def test_html_reports_are_self_contained_and_render_in_headless_chromium(tmp_path):
+    png = _timeline_png(tmp_path / "timeline.png")
+    page = write_suite_html(_suite_report(png), tmp_path / "report.html", png)
+    text = page.read_text()
+    assert "data:image/png;base64," in text and "http" not in text.replace("http-equiv", "")  # nothing fetched
+    assert "&lt;&amp;&gt;" in text  # evidence and details are escaped, never markup
+    dom = _chromium(f"--user-data-dir={tmp_path / 'profile'}", "--dump-dom", page.as_uri())
+    assert dom.returncode == 0, dom.stderr[-2000:]
+    assert 'data-timeline-ok="yes"' in dom.stdout  # the embedded picture decoded
+    assert "FAILED: kill_worker" in dom.stdout and "network namespaces need root" in dom.stdout
+    shot = tmp_path / "shot.png"
+    _chromium(f"--user-data-dir={tmp_path / 'profile2'}", "--window-size=1200,1600", f"--screenshot={shot}",
+              page.as_uri(), cwd=tmp_path)
+    assert shot.read_bytes()[:4] == b"\x89PNG" and shot.stat().st_size > 10_000
+
+    soak = {"ok": True, "broken": [], "job": "tiny.yaml", "nodes": 4, "steps": 900, "injected": 3, "recovered": 3,
+            "planned": 4, "mtbf_s": 30.0, "seed": 7, "duration_s": 120.0, "requeues": 1, "skipped_batches": [[33, 33]],
+            "replay_checksum": "cc", "goodput": {"goodput": 0.5, "wall_s": 100.0, "productive_s": 50.0,
+                                                 "startup_s": 10.0, "recovery_s": 20.0, "checkpoint_s": 5.0,
+                                                 "lost_s": 5.0, "other_s": 10.0},
+            "per_kind": {"kill_worker": {"injected": 3, "recovered": 3, "mean_recovery_s": 6.0, "max_recovery_s": 7.0,
+                                         "steps_lost": 9, "cost_s": 19.5, "goodput_cost": 0.195}},
+            "soak": {"result": {"faults": [], "invariants": []}}}
+    soak_page = write_soak_html(soak, tmp_path / "soak.html", png)
+    dom = _chromium(f"--user-data-dir={tmp_path / 'profile3'}", "--dump-dom", soak_page.as_uri())
+    assert 'data-timeline-ok="yes"' in dom.stdout and "19.5%" in dom.stdout and json.dumps(3) in dom.stdout
