@@ -117,7 +117,7 @@ def test_step_trigger_and_ordering(state, tmp_path):
     spec = results[straggle.request_id]["detail"]["spec"]
     assert spec == {"kind": "straggle", "from_step": 7, "to_step": 8, "delay_s": 0.1, "node": "node1"}
     assert results[corrupt.request_id]["ts"] <= results[straggle.request_id]["ts"]
-    written = json.loads((tmp_path / "faults" / f"chaos-node1-straggle-7.json").read_text())
+    written = json.loads((tmp_path / "faults" / "chaos-node1-straggle-7.json").read_text())
     assert written["node"] == "node1"  # only this node's workers fire it
 
 

@@ -15,7 +15,8 @@ from elastic.agent.config import AgentConfig, RendezvousConfig
 from elastic.checkpoint.publish import EtcdCheckpointPublisher
 from elastic.common.events import EventLog
 from elastic.agent.metrics import AgentMetrics, MeteredEventLog, MetricsConfig
-from elastic.control.store import EtcdStore, LeaseKeeper
+from elastic.control.lease import LeaseKeeper
+from elastic.control.store import EtcdStore
 from launch import ops_cli
 from launch.report import plot_loss
 from launch.status import format_plain, read_status, render_table

@@ -7,7 +7,8 @@ import time
 
 import pytest
 
-from elastic.control.store import EtcdStore, LeaseExpired, LeaseKeeper, StoreUnavailable, parse_endpoint
+from elastic.control.lease import LeaseKeeper
+from elastic.control.store import EtcdStore, LeaseExpired, StoreUnavailable, parse_endpoint
 
 
 @pytest.fixture

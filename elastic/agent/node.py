@@ -52,7 +52,8 @@ from elastic.control.admission import Admission, Refused
 from elastic.control.keys import RunKeys
 from elastic.control.leader import ClusterPolicy, LeaderLoop, leader_excluder
 from elastic.control.runstate import RunState
-from elastic.control.store import EtcdStore, KVStore, LeaseKeeper, StoreError
+from elastic.control.lease import LeaseKeeper
+from elastic.control.store import EtcdStore, KVStore, StoreError
 from elastic.replicas.config import ReplicaConfig
 
 EXIT_SUCCESS = 0

@@ -14,7 +14,8 @@ from typing import Any, TypeVar
 
 from elastic.common.events import EventLog
 from elastic.control.runstate import RunState
-from elastic.control.store import LeaseKeeper, StoreError
+from elastic.control.lease import LeaseKeeper
+from elastic.control.store import StoreError
 
 T = TypeVar("T")
 

@@ -96,6 +96,12 @@ class MemoryStore:
             self._expire()
             return self._kvs.get(key)
 
+    def read(self, key: str) -> tuple[KeyValue | None, int]:
+        """``key`` and the revision it was read at (transactions, ``txn``, are not modelled here)."""
+        with self._cond:
+            self._expire()
+            return self._kvs.get(key), self._revision
+
     def get_prefix(self, prefix: str) -> list[KeyValue]:
         with self._cond:
             self._expire()

@@ -34,7 +34,7 @@ from elastic.control.etcd_security import EtcdSecurity, etcd_error_text, short_s
 from elastic.control.txn import Txn, TxnResult, decode_txn, encode_txn
 from elastic.control.watch import WatchCompacted, WatchStream
 
-__all__ = ["KeyValue", "WatchEvent", "KVStore", "EtcdStore", "LeaseKeeper", "StoreError", "StoreUnavailable",
+__all__ = ["KeyValue", "WatchEvent", "KVStore", "EtcdStore", "StoreError", "StoreUnavailable",
            "StoreTimeout", "LeaseExpired", "StoreAuthError", "StoreTLSError", "parse_endpoint", "parse_endpoints"]
 
 log = logging.getLogger(__name__)
@@ -72,13 +72,9 @@ class KVStore(Protocol):
     def get(self, key: str) -> KeyValue | None: ...
     def read(self, key: str) -> tuple[KeyValue | None, int]:
         """``key`` (or None) and the store revision it was read at: watch from revision + 1."""
-        resp = self._post("/kv/range", {"key": b64(key)}, f"get {key}")
-        kvs = resp.get("kvs") or []
-        return (kv_from_json(kvs[0]) if kvs else None), int(resp["header"]["revision"])
 
     def txn(self, txn: Txn) -> TxnResult:
         """Run one transaction (see :mod:`elastic.control.txn`)."""
-        return decode_txn(txn, self._post("/kv/txn", encode_txn(txn), "txn"))
 
     def get_prefix(self, prefix: str) -> list[KeyValue]: ...
     def put(self, key: str, value: bytes | str, lease: int | None = None) -> int: ...
@@ -455,49 +451,3 @@ class EtcdStore:
                     if event.value is not None:
                         return KeyValue(event.key, event.value, event.mod_revision, 0, 0, 0)
         return None
-
-
-class LeaseKeeper:
-    """Keeps a lease alive from a daemon thread; records loss instead of raising.
-
-    The keeper refreshes at a third of the TTL so that one missed refresh
-    (etcd briefly unreachable) does not lose the lease.  If the lease does
-    expire, ``lost`` is set and ``on_lost`` is called once; the owner decides
-    what that means (the agent re-registers).
-    """
-
-    def __init__(self, store: EtcdStore, ttl: int, on_lost: Callable[[], None] | None = None) -> None:
-        self.store = store
-        self.ttl = ttl
-        self.lease_id = store.grant_lease(ttl)
-        self.lost = threading.Event()
-        self._on_lost = on_lost
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"lease-{self.lease_id:x}", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        interval = max(self.ttl / 3.0, 0.2)
-        while not self._stop.wait(interval):
-            try:
-                self.store.refresh_lease(self.lease_id)
-            except LeaseExpired:
-                self.lost.set()
-                if self._on_lost:
-                    self._on_lost()
-                return
-            except StoreError as exc:
-                log.warning("lease %x refresh failed (will retry): %s", self.lease_id, exc)
-
-    def renewed(self) -> LeaseKeeper:
-        """A keeper of a new lease with the same TTL and callback (this one was lost)."""
-        return LeaseKeeper(self.store, self.ttl, self._on_lost)
-
-    def close(self, revoke: bool = True) -> None:
-        self._stop.set()
-        self._thread.join(timeout=2)
-        if revoke and not self.lost.is_set():
-            try:
-                self.store.revoke_lease(self.lease_id)
-            except StoreError:
-                pass

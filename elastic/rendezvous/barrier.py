@@ -48,7 +48,8 @@ from torch.distributed.elastic.rendezvous import (
 from torch.distributed.elastic.utils.distributed import get_free_port
 
 from elastic.control.keys import BACKEND_NAME, DEFAULT_KEY_PREFIX, RunKeys
-from elastic.control.store import EtcdStore, LeaseKeeper, StoreError
+from elastic.control.lease import LeaseKeeper
+from elastic.control.store import EtcdStore, StoreError
 from elastic.rendezvous.c10d_store import EtcdC10dStore
 from elastic.rendezvous.round import LateForRound, LeaseLost, NodeRecord, RoundAttempt, RoundRecord, RoundSpec
 

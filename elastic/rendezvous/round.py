@@ -37,7 +37,7 @@ from torch.distributed.elastic.rendezvous import (
 from elastic.control.codec import WatchEvent, prefix_end
 from elastic.control.keys import RunKeys
 from elastic.control.store import EtcdStore, KeyValue
-from elastic.control.txn import Compare, Count, Delete, Get, Put, Range, Txn
+from elastic.control.txn import Compare, Count, Get, Put, Range, Txn
 
 TAKEOVER_JITTER_S = 1.0
 """Waiters spread their bids for a dead coordinator's role over this long, so that one wins

@@ -1,0 +1,57 @@
+"""Keeping a lease alive from a background thread (node records, leadership, rendezvous joins)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+from elastic.control.store import KVStore, LeaseExpired, StoreError
+
+log = logging.getLogger(__name__)
+
+
+class LeaseKeeper:
+    """Keeps a lease alive from a daemon thread; records loss instead of raising.
+
+    The keeper refreshes at a third of the TTL so that one missed refresh
+    (etcd briefly unreachable) does not lose the lease.  If the lease does
+    expire, ``lost`` is set and ``on_lost`` is called once; the owner decides
+    what that means (the agent re-registers).
+    """
+
+    def __init__(self, store: KVStore, ttl: int, on_lost: Callable[[], None] | None = None) -> None:
+        self.store = store
+        self.ttl = ttl
+        self.lease_id = store.grant_lease(ttl)
+        self.lost = threading.Event()
+        self._on_lost = on_lost
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"lease-{self.lease_id:x}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        interval = max(self.ttl / 3.0, 0.2)
+        while not self._stop.wait(interval):
+            try:
+                self.store.refresh_lease(self.lease_id)
+            except LeaseExpired:
+                self.lost.set()
+                if self._on_lost:
+                    self._on_lost()
+                return
+            except StoreError as exc:
+                log.warning("lease %x refresh failed (will retry): %s", self.lease_id, exc)
+
+    def renewed(self) -> LeaseKeeper:
+        """A keeper of a new lease with the same TTL and callback (this one was lost)."""
+        return LeaseKeeper(self.store, self.ttl, self._on_lost)
+
+    def close(self, revoke: bool = True) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2)
+        if revoke and not self.lost.is_set():
+            try:
+                self.store.revoke_lease(self.lease_id)
+            except StoreError:
+                pass
