@@ -35,7 +35,23 @@ def handlers(endpoint: str, n: int, run_id: str = "rb", min_nodes: int | None = 
              **conf: str) -> list[BarrierRendezvousHandler]:
     params = dict(backend="etcd3", endpoint=endpoint, run_id=run_id, min_nodes=min_nodes or n,
                   max_nodes=max_nodes or n, local_addr="127.0.0.1")
-    return [get_rendezvous_handler(RendezvousParameters(**params, **conf)) for _ in range(n)]
+    made = [get_rendezvous_handler(RendezvousParameters(**params, **conf)) for _ in range(n)]
+    _CREATED.extend(made)
+    return made
+
+
+_CREATED: list = []
+
+
+@pytest.fixture(autouse=True)
+def release_handlers():
+    """Every handler a test made gives up its lease afterwards: a lease keeper left running would
+    refresh against an etcd that the test's fixture has stopped, for the rest of the session."""
+    yield
+    while _CREATED:
+        handler = _CREATED.pop()
+        handler._stop_waiting()
+        handler._release()
 
 
 def join_all(hs, timeout: float = 30.0) -> dict[int, tuple]:

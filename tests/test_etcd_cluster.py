@@ -23,7 +23,7 @@ import pytest
 from elastic.control.etcd_cluster import EtcdCluster
 from elastic.control.store import EtcdStore
 from tests.launch_helpers import start_launcher, wait_for_event, write_run_config
-from tests.test_barrier import handlers, join_all
+from tests.test_barrier import handlers, join_all, release_handlers  # noqa: F401  (autouse fixture)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 WORKER = Path(__file__).parent / "workers" / "allreduce.py"

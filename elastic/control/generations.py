@@ -140,6 +140,11 @@ class Generations:
     def lost(self, gen: int) -> set[str]:
         return self._read(gen)[1]
 
+    def ever_lost(self) -> set[str]:
+        """Nodes some generation of this epoch re-formed without (the in-process path handled them)."""
+        base = self.keys.generation(self.epoch, 0).rsplit("0/", 1)[0]  # gen/<epoch>/
+        return {kv.key.rsplit("/lost/", 1)[1] for kv in self.store.get_prefix(base) if "/lost/" in kv.key}
+
     def wait_plan(self, gen: int, previous: dict[Slot, int], timeout_s: float) -> Plan:
         """Block until generation ``gen`` has its plan (writing it when this caller completes the round)."""
         deadline = time.monotonic() + timeout_s

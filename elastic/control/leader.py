@@ -32,6 +32,7 @@ from typing import Callable, Literal
 
 from elastic.common.config import ConfigError
 from elastic.common.events import EventLog
+from elastic.control.generations import Generations
 from elastic.control.runstate import RunState
 from elastic.control.store import KVStore, LeaseExpired, StoreError
 
@@ -259,6 +260,11 @@ class LeaderLoop:
             return
         lost = seen[1] - members
         if not lost or self.state.finished():
+            return
+        handled = lost & Generations(self.state.store, self.state.keys, epoch).ever_lost()
+        if handled == lost:  # the survivors already re-formed in-process without them: no restart
+            self.events.emit("leader.node_lost", nodes=sorted(lost), epoch=epoch, new_epoch=epoch, bumped=False,
+                             handled_in_process=True)
             return
         current, moved = self.state.bump_epoch(epoch)
         self.events.emit("leader.node_lost", nodes=sorted(lost), epoch=epoch, new_epoch=current, bumped=moved)
