@@ -30,8 +30,11 @@ from elastic.common.procs import set_parent_death_signal
 # A worker that stops because of bad numerics (NaN/Inf, loss spike) exits with this code
 # after report_numerics(), so its agent can roll back instead of plainly restarting.
 EXIT_NUMERICS = 87
-
-
+# A worker that cannot run this config (a config error, another config's checkpoint in the run
+# dir) exits with this; restarting cannot help, so its agent stops the run with the worker's line.
+EXIT_CONFIG = 2
+# Checkpoint saves kept failing (checkpoint.max_consecutive_failures, on_save_failure: stop).
+EXIT_CHECKPOINT = 88
 
 
 def skip_steps(text: str | None = None) -> frozenset[int]:
