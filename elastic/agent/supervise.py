@@ -1,7 +1,8 @@
 """Watching one running torchrun attempt until it ends.
 
 While torchrun runs, the :class:`Supervisor` drains the workers' reports (steps, commits,
-numerics), judges silence (:mod:`elastic.agent.heartbeat`: hang, stall, slow start),
+numerics), judges silence (:mod:`elastic.agent.heartbeat`: hang, stall, slow start; a silence
+with every rank asleep is attributed first, :mod:`elastic.agent.hangs`),
 publishes the node heartbeat for the leader, and polls the run's shared state: a new epoch
 (a peer failed), this node's exclusion, the run's stop key.  Whatever ends the attempt comes
 back as one :class:`~elastic.agent.attempt.AttemptResult`.
@@ -17,6 +18,7 @@ from elastic.agent.attempt import AttemptResult, Outcome, ReportInbox, TorchrunA
 from elastic.agent.classify import FailureKind
 from elastic.agent.config import AgentConfig
 from elastic.agent.failures import ProgressGuard
+from elastic.agent.hangs import HangAttribution
 from elastic.agent.heartbeat import HeartbeatMonitor, Silence
 from elastic.agent.inprocess import InProcessWorkers
 from elastic.agent.metrics import AgentMetrics
@@ -50,6 +52,8 @@ class Supervisor:
         self.on_failure: Callable[[AttemptResult], bool] = lambda result: False
         self.screened = None  # the verdict of the node screen run inside the first worker
         self.screener_record = lambda report: None  # set by the agent: records that verdict
+        self.hangs = HangAttribution(node_id, metrics.run_dir, state, events,
+                                     wait_s=config.heartbeat.step_timeout_s / 2)
 
     def stop_attempt(self, attempt: TorchrunAttempt, reason: str) -> None:
         workers = self.workers
@@ -69,6 +73,7 @@ class Supervisor:
         if workers is not None:
             workers.on_replace = self.monitor.recovering
         self.workers, self.on_failure = workers, on_failure
+        self.hangs.reset()
         self._numerics_step: int | None = None
         self.screened = None
         next_poll = next_beat = time.monotonic()
@@ -112,7 +117,8 @@ class Supervisor:
         self.metrics.tick()  # the attempt's last checkpoint events (the final commit)
         if rc == 0:
             return AttemptResult(Outcome.SUCCEEDED, rc)
-        return AttemptResult(Outcome.FAILED, rc, numerics_step=self._numerics_step, attempt_dir=attempt.dir)
+        return AttemptResult(Outcome.FAILED, rc, numerics_step=self._numerics_step, attempt_dir=attempt.dir,
+                             step=self.monitor.summary()["step"])
 
     def _on_report(self, report: dict, attempt: TorchrunAttempt, epoch: int) -> None:
         kind = report.get("type")
@@ -123,6 +129,7 @@ class Supervisor:
         if kind == "step":
             first = self.monitor.first_step_at is None
             self.monitor.observe(report)
+            self.hangs.reset()
             if first:
                 self.events.emit("agent.first_step", step=report.get("step"), epoch=epoch,
                                  attempt=attempt.number, since_start_s=attempt.runtime_s())
@@ -172,6 +179,11 @@ class Supervisor:
         verdict, detail = self.monitor.check()
         if verdict == Silence.NONE or self._numerics_step is not None:
             return None
+        if verdict == Silence.SUSPECT:
+            blame = self.hangs.step(epoch, {rank: view.pid for rank, view in self.monitor.ranks.items()})
+            if blame is None:
+                return None
+            verdict, detail = Silence.CULPRIT, blame.detail
         kind = _SILENCE_KIND[verdict]
         self.events.emit("agent.hang_detected", verdict=verdict.value, detail=detail, epoch=epoch,
                          silent_s=round(self.monitor.silent_for(), 3))
@@ -179,4 +191,5 @@ class Supervisor:
         # wait out their own stall timeout while this node tears its workers down.
         self.records.quietly("bump_epoch", lambda: self.scope.bump(epoch))
         self.stop_attempt(attempt, f"{kind.value}: {detail}")
-        return AttemptResult(Outcome.FAILED, None, kind=kind, detail=detail, attempt_dir=attempt.dir)
+        return AttemptResult(Outcome.FAILED, None, kind=kind, detail=detail, attempt_dir=attempt.dir,
+                             step=self.monitor.summary()["step"])
