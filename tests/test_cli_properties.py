@@ -44,7 +44,7 @@ def _walk(cls: type, prefix: str = "") -> tuple[list[tuple[str, Any]], list[str]
             sub_leaves, sub_sections = _walk(tp, path)
             leaves += sub_leaves
             sections += sub_sections
-        elif path != "fingerprint":
+        elif path != "fingerprint" and tp is not Any:  # ``trainer``: the workload's own schema, typed elsewhere
             leaves.append((path, tp))
     return leaves, sections
 
