@@ -13,7 +13,7 @@ from elastic.agent.node import AgentState, NodeAgent, NodeSpec
 from elastic.agent.config import AgentConfig, RendezvousConfig
 from elastic.checkpoint.publish import EtcdCheckpointPublisher
 from elastic.common.events import EventLog
-from elastic.agent.metrics import AgentMetrics, MeteredEventLog, MetricsConfig
+from elastic.agent.metrics import serve_metrics, AgentMetrics, MeteredEventLog, MetricsConfig
 from elastic.control.store import EtcdStore, LeaseKeeper
 from launch import ops_cli
 from launch.report import plot_loss
@@ -92,7 +92,7 @@ def _agent(tmp_path: Path, endpoint: str, node: str = "n0") -> NodeAgent:
 def test_agent_publishes_metrics_address_and_status_reads_it(tmp_path, etcd_endpoint, capsys):
     agent = _agent(tmp_path, etcd_endpoint)
     store = EtcdStore(etcd_endpoint)
-    agent._serve_metrics()
+    serve_metrics(agent.metrics, agent.config.metrics, agent.events, agent.leave.say)
     try:
         assert "--local-addr=10.1.2.3" in agent.new_attempt(0).argv()
         agent.records.lease = LeaseKeeper(store, 10)
