@@ -90,6 +90,25 @@ def test_a_leader_elected_after_the_loss_still_names_the_node(state, clock):
     assert fault["node"] == "n1" and fault["step"] is None and state.members()["n1"]["state"] == "lost"
 
 
+def test_the_step_of_a_loss_is_where_the_first_survivor_noticed_it(state, clock):
+    _register(state, "n0", ttl=100)
+    _register(state, "n1", step=3)  # its last heartbeat lags behind the run
+    lost = LostNodes(state, "n0", Recorder())
+    _look(lost, state)
+    handler = FailureHandler(FailurePolicy(), "n0", state, Recorder())
+    peer = AttemptResult(Outcome.FAILED, kind=FailureKind.PEER_LOST, detail="connection reset", step=9)
+    assert not handler.decide(peer, epoch=0).counted
+    assert not state.notice_fault(0, 9, "n2", "stall")  # a second survivor noticing the same fault
+    state.bump_epoch(0)
+    clock.advance(11)
+    assert _look(lost, state) == ["n1"] and state.faults()[0]["step"] == 9
+    _register(state, "n2", epoch=1)
+    clock.advance(11)  # a leader that never saw n2's heartbeat: the noticed epoch still dates the loss
+    state.notice_fault(1, 4, "n0", "peer_lost")
+    assert _look(LostNodes(state, "n0", Recorder()), state) == ["n2"]
+    assert [(f["node"], f["epoch"], f["step"]) for f in state.faults()] == [("n1", 0, 9), ("n2", 1, 4)]
+
+
 def test_a_node_that_leaves_cleanly_is_not_lost(state, clock):
     lease = _register(state, "n1")
     lost = LostNodes(state, "n0", Recorder())

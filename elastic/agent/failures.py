@@ -59,7 +59,15 @@ class FailureHandler:
         if counted:
             self.failures += 1
             self._record(kind, detail, epoch, result.step)
+        else:  # another node's fault: say where the run stood when it hit (the leader names the node)
+            self._notice(kind, epoch, result.step)
         return Decision(kind, detail, counted, action, f"{kind.value}: {detail}")
+
+    def _notice(self, kind: FailureKind, epoch: int, step: int | None) -> None:
+        try:
+            self.state.notice_fault(epoch, step, self.node_id, kind.value)
+        except StoreError as exc:
+            self.events.emit("agent.store_error", op="notice_fault", error=str(exc))
 
     def _record(self, kind: FailureKind, detail: str, epoch: int, step: int | None) -> None:
         """This node's counted failure: its lemon record, and the run's one record of this fault."""

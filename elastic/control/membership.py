@@ -9,8 +9,9 @@ leader then
 
 * writes the run's fault record for the epoch the node was last seen in
   (:meth:`RunState.record_fault`, create-only: a second leader or a second look writes nothing),
-* emits one ``run.fault`` event naming the node and the step it was lost at (from its last
-  heartbeat, when this leader saw one),
+* emits one ``run.fault`` event naming the node and the step it was lost at: where the first
+  surviving agent to notice the fault found its workers (:meth:`RunState.notice_fault`), else the
+  lost node's last heartbeat (published every few seconds, so it may lag),
 * records a counted ``node_lost`` failure of that node, so the lemon-node policy
   (:class:`~elastic.control.leader.ClusterPolicy`) excludes a node that keeps vanishing, and
 * marks the roster entry ``lost`` (a node that comes back registers as ``joined`` again).
@@ -44,8 +45,9 @@ class LostNodes:
 
     def _report(self, node: str) -> bool:
         beat = self._beats.pop(node, {})
-        epoch = int(beat.get("epoch", self.state.epoch()))
-        step = beat.get("step")
+        epoch = int(beat["epoch"]) if "epoch" in beat else self._last_noticed_epoch()
+        noticed = self.state.noticed(epoch) or {}
+        step = noticed.get("step") if noticed.get("step") is not None else beat.get("step")
         detail = f"agent of {node} vanished (its lease expired) in epoch {epoch}"
         record = {"kind": "node_lost", "step": step, "detail": detail, "by": f"leader/{self.leader_id}"}
         created = self.state.record_fault(epoch, node, record)
@@ -56,3 +58,8 @@ class LostNodes:
                          by=f"leader/{self.leader_id}")
         self.state.record_failure(node, "node_lost", epoch)
         return True
+
+    def _last_noticed_epoch(self) -> int:
+        """This leader never saw the node's heartbeat: the newest epoch whose fault a survivor noticed."""
+        current = self.state.epoch()
+        return next((e for e in range(current, max(current - 8, -1), -1) if self.state.noticed(e)), current)

@@ -186,6 +186,16 @@ class RunState:
         """Every fault record, oldest epoch first."""
         return sorted(self._records(self.keys.faults).values(), key=lambda r: (r.get("epoch", 0), r.get("ts", 0)))
 
+    def notice_fault(self, epoch: int, step: int | None, by: str, kind: str) -> bool:
+        """The first agent to notice a fault in ``epoch`` records the step its workers stood at
+        (create-only: the others' notices are the same fault)."""
+        body = json.dumps({"epoch": epoch, "step": step, "by": by, "kind": kind, "ts": self.clock()})
+        ok, _ = self.store.compare_and_swap(self.keys.noticed(epoch), body, 0)
+        return ok
+
+    def noticed(self, epoch: int) -> dict[str, Any] | None:
+        return self._record(self.keys.noticed(epoch))
+
     def set_member(self, node_id: str, member_state: str) -> None:
         """The roster entry of a node (no lease, so it outlives the agent): ``joined`` when it
         registers, its final state when its agent leaves cleanly, ``lost`` when its lease expired."""
