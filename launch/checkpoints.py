@@ -13,6 +13,7 @@ move away what the nodes of the fresh run have saved since.
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 from elastic.checkpoint.identity import mismatch, move_aside, newest_marker
 from elastic.run.schema import RunConfig
@@ -22,7 +23,7 @@ class CheckpointConflict(Exception):
     """The run directory holds another config's checkpoints (one line, names the fields)."""
 
 
-def check_checkpoints(cfg: RunConfig, run_dir, fresh: bool, say: Callable[[str], None]) -> None:
+def check_checkpoints(cfg: RunConfig, run_dir: Path, fresh: bool, say: Callable[[str], None]) -> None:
     """Refuse (CheckpointConflict) or, with ``fresh``, move aside the run dir's checkpoints."""
     root = cfg.checkpoint.root(run_dir)
     newest = newest_marker(root)
