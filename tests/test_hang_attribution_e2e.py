@@ -20,8 +20,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(360)]
 
 def test_a_blocked_rank_is_named_from_its_stack_and_excluded_when_it_repeats(tmp_path, subprocess_env):
     run = tmp_path / "run"
-    # node1's worker falls asleep at step 5 every time it gets there (also after each resume from step 4).
-    write_fault(run, "asleep", {"kind": "block", "node": "node1", "from_step": 5, "once": False, "duration_s": 600})
+    # node1's worker falls asleep at step 6 every time it gets there (also after each resume from step 4: its
+    # first step there, 5, is reported, so the agents judge the silence as a hang, not as a slow start).
+    write_fault(run, "asleep", {"kind": "block", "node": "node1", "from_step": 6, "once": False, "duration_s": 600})
     config = write_run_config(
         tmp_path, nodes="1:2", steps=12, interval=2, step_sleep=0.05,
         agent={"max_restarts": 4, "term_grace_s": 2, "preflight": {"enabled": False}, "pg_timeout_s": 90,
@@ -38,7 +39,7 @@ def test_a_blocked_rank_is_named_from_its_stack_and_excluded_when_it_repeats(tmp
     assert len(hangs) == 2 and {f["node"] for f in hangs} == {"node1"}
     for fault in hangs:
         assert "is not in a collective (at faults.py:" in fault["detail"] and "before_step" in fault["detail"]
-        assert "wait in sync 5" in fault["detail"]
+        assert "wait in sync 6" in fault["detail"]
     events = read_run_events(run)
     detected = [e for e in events if e["kind"] == "agent.hang_detected"]
     assert detected and {e["source"] for e in detected} == {"agent/node1"}  # node0 never blamed itself

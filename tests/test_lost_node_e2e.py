@@ -18,7 +18,9 @@ from tests.launch_helpers import start_launcher, wait_for_event, write_run_confi
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 # The node lease outlives a leader hand-over (leader TTL 2 s): the next leader sees the last heartbeat.
-_FAST_LOSS = {"lease_ttl_s": 6, "leader": {"ttl_s": 2, "interval_s": 0.5}}
+# The epoch path (the finding): with in-process recovery a node's warm spare takes the lost
+# worker's slot and the run neither restarts nor stops (tests/test_inprocess_e2e.py covers that).
+_FAST_LOSS = {"lease_ttl_s": 6, "leader": {"ttl_s": 2, "interval_s": 0.5}, "inprocess": {"enabled": False}}
 
 
 def _kill_agent_of(run_dir: Path, node: str, proc, at_step: int) -> None:
@@ -33,22 +35,24 @@ def _summary(run_dir: Path) -> dict:
 
 
 def test_a_lost_node_is_one_fault_and_one_restart(tmp_path, subprocess_env):
-    config = write_run_config(tmp_path, nodes="1:2", steps=60, interval=4, step_sleep=0.1,
+    config = write_run_config(tmp_path, nodes="2:3", steps=60, interval=4, step_sleep=0.1,
                               agent={**_FAST_LOSS, "max_restarts": 3, "term_grace_s": 2,
                                      "preflight": {"enabled": False}})
     proc = start_launcher(config, subprocess_env)
     run = tmp_path / "run"
-    _kill_agent_of(run, "node1", proc, at_step=6)
+    _kill_agent_of(run, "node2", proc, at_step=6)
     out, _ = proc.communicate(timeout=240)
     assert proc.returncode == 0, out
     s = _summary(run)
     assert s["last_step"] == 60
     (fault,) = s["faults"]
-    assert fault["node"] == "node1" and fault["failure_kind"] == "node_lost" and fault["step"] >= 6
+    assert fault["node"] == "node2" and fault["failure_kind"] == "node_lost" and fault["step"] >= 6
     assert fault["by"].startswith("leader/")
-    assert s["restarts"] == 1  # one fault, however many agents restarted for it
-    assert f"fault: node1 node_lost at step {fault['step']}" in out
-    assert s["stop_reasons"]["node1"].startswith(f"lost at step {fault['step']}: agent of node1 vanished")
+    restarted = {e["source"] for e in read_run_events(run) if e["kind"] == "agent.restart"}
+    assert restarted == {"agent/node0", "agent/node1"}  # both survivors restarted ...
+    assert s["restarts"] == 1  # ... for one fault
+    assert f"fault: node2 node_lost at step {fault['step']}" in out
+    assert s["stop_reasons"]["node2"].startswith(f"lost at step {fault['step']}: agent of node2 vanished")
 
 
 def test_a_fixed_size_run_says_which_node_it_lost_and_counts_the_wait_as_recovery(tmp_path, subprocess_env):

@@ -137,6 +137,9 @@ class Supervisor:
             self.monitor.observe(report)
         elif kind == "commit":
             self.progress.observe_commit(int(report.get("step", -1)))
+        elif kind == "fault":  # a peer was lost; the workers re-form in-process: say where the run stood
+            self.records.quietly("notice_fault", lambda: self.state.notice_fault(
+                epoch, report.get("step"), self.node_id, "peer_lost", gen=int(report.get("gen", 0))))
         elif kind == "screen":
             self.screened = self.screener_record(report)
         elif kind == "numerics":

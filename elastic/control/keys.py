@@ -14,7 +14,8 @@ can be listed, inspected (``elastic status``) and cleaned up as one prefix range
     failures/<node>/<ms>       one record per counted failure (lemon-node policy)
     faults/<epoch>/<node>      one record per fault: the node that failed or was lost in that epoch
                                (create-only, so the N agents that notice one fault write it once)
-    noticed/<epoch>            {step, by, kind, ts}: the first agent to notice a fault in that epoch
+    noticed/<epoch>/<gen>      {step, by, kind, ts}: the first agent to notice a fault in that epoch
+                               (generation ``gen`` of an in-process re-formation, 0 on the epoch path)
                                and the step its workers stood at (create-only)
     members/<node>             {state, ts}: the roster (no lease): "joined" while the node takes part,
                                its final state once its agent left cleanly, "lost" once the leader
@@ -140,8 +141,11 @@ class RunKeys:
     def faults(self) -> str:
         return self._k("faults", "")
 
-    def noticed(self, epoch: int) -> str:
-        return self._k("noticed", str(epoch))
+    def noticed(self, epoch: int, gen: int) -> str:
+        return self._k("noticed", str(epoch), str(gen))
+
+    def noticed_in(self, epoch: int) -> str:
+        return self._k("noticed", str(epoch), "")
 
     def member(self, node_id: str) -> str:
         return self._k("members", node_id)

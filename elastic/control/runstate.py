@@ -186,15 +186,18 @@ class RunState:
         """Every fault record, oldest epoch first."""
         return sorted(self._records(self.keys.faults).values(), key=lambda r: (r.get("epoch", 0), r.get("ts", 0)))
 
-    def notice_fault(self, epoch: int, step: int | None, by: str, kind: str) -> bool:
-        """The first agent to notice a fault in ``epoch`` records the step its workers stood at
-        (create-only: the others' notices are the same fault)."""
-        body = json.dumps({"epoch": epoch, "step": step, "by": by, "kind": kind, "ts": self.clock()})
-        ok, _ = self.store.compare_and_swap(self.keys.noticed(epoch), body, 0)
+    def notice_fault(self, epoch: int, step: int | None, by: str, kind: str, gen: int = 0) -> bool:
+        """The first agent to notice a fault in ``epoch`` (generation ``gen`` of an in-process
+        re-formation) records the step its workers stood at (create-only: the others' notices are
+        the same fault)."""
+        body = json.dumps({"epoch": epoch, "gen": gen, "step": step, "by": by, "kind": kind, "ts": self.clock()})
+        ok, _ = self.store.compare_and_swap(self.keys.noticed(epoch, gen), body, 0)
         return ok
 
     def noticed(self, epoch: int) -> dict[str, Any] | None:
-        return self._record(self.keys.noticed(epoch))
+        """The newest fault noticed in ``epoch`` (its latest generation)."""
+        found = self._records(self.keys.noticed_in(epoch)).values()
+        return max(found, key=lambda r: int(r.get("gen", 0)), default=None)
 
     def set_member(self, node_id: str, member_state: str) -> None:
         """The roster entry of a node (no lease, so it outlives the agent): ``joined`` when it
