@@ -36,9 +36,9 @@ class FailureKind(str, Enum):
 
 # A failure of one of these classes is a consequence of some other node's failure:
 # it does not count against this node's restart budget or its lemon record.
-# A config or storage problem is no node's fault either.
+# Nor is a config or storage problem, or a rendezvous that waited in vain for other nodes.
 UNCOUNTED = frozenset({FailureKind.PEER_LOST, FailureKind.STALL, FailureKind.RECOVERY_FAILED,
-                       FailureKind.CONFIG, FailureKind.CHECKPOINT})
+                       FailureKind.CONFIG, FailureKind.CHECKPOINT, FailureKind.RENDEZVOUS_TIMEOUT})
 
 _TIMEOUT = ("Timed out waiting", "timed out", "Timeout", "DistBackendError: [../third_party/gloo")
 _OOM = ("OutOfMemoryError", "CUDA out of memory", "std::bad_alloc", "Cannot allocate memory")
@@ -60,9 +60,9 @@ def classify(attempt_dir: Path, torchrun_rc: int | None, torchrun_log: str = "",
         return FailureKind.NUMERICS, "trainer reported bad numerics"
     if "RendezvousTimeoutError" in torchrun_log:
         return FailureKind.RENDEZVOUS_TIMEOUT, "rendezvous timed out waiting for enough nodes"
-    stopping = [c for c in codes if c in _STOPPING]
-    if stopping:
-        return _STOPPING[stopping[0]], worker_line(torchrun_log) or f"worker exited with code {stopping[0]}"
+    stopping = next((stop for c in codes if (stop := stopping_failure(c, torchrun_log)) is not None), None)
+    if stopping is not None:
+        return stopping
     messages = []
     for err in sorted(attempt_dir.glob("**/error.json")):
         try:
@@ -86,6 +86,14 @@ def classify(attempt_dir: Path, torchrun_rc: int | None, torchrun_log: str = "",
     if codes:
         return FailureKind.WORKER_ERROR, f"worker exited with code {codes[0]}"
     return FailureKind.WORKER_SIGNAL, f"torchrun exited with {torchrun_rc}"
+
+
+def stopping_failure(rc: int, log: str) -> tuple[FailureKind, str] | None:
+    """A worker exit code that means "restarting cannot help" (config, failing saves), with the
+    worker's own line from ``log``; None for any other code."""
+    if rc not in _STOPPING:
+        return None
+    return _STOPPING[rc], worker_line(log) or f"worker exited with code {rc}"
 
 
 def worker_line(torchrun_log: str) -> str:

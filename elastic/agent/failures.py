@@ -34,6 +34,9 @@ class Decision:
     reason: str = ""  # for stop / exclude: the one line that says why
 
 
+_PEER_FAULTS = frozenset({FailureKind.PEER_LOST, FailureKind.STALL, FailureKind.RECOVERY_FAILED})
+
+
 class FailureHandler:
     def __init__(self, policy: FailurePolicy, node_id: str, state: RunState, events: EventLog,
                  needs: tuple[str, int] = ("", 0)) -> None:
@@ -59,7 +62,7 @@ class FailureHandler:
         if counted:
             self.failures += 1
             self._record(kind, detail, epoch, result.step)
-        else:  # another node's fault: say where the run stood when it hit (the leader names the node)
+        elif kind in _PEER_FAULTS:  # another node's fault: say where the run stood (the leader names the node)
             self._notice(kind, epoch, result.step)
         return Decision(kind, detail, counted, action, f"{kind.value}: {detail}")
 

@@ -30,7 +30,7 @@ import threading
 import time
 
 from elastic.agent.attempt import AttemptResult, NodeSpec, Outcome, TorchrunAttempt
-from elastic.agent.classify import FailureKind
+from elastic.agent.classify import FailureKind, stopping_failure
 from elastic.agent.config import InProcessConfig
 from elastic.checkpoint.memclient import MemStateClient
 from elastic.checkpoint.memstate import MemStateError, MemStateServer, SnapMeta
@@ -195,6 +195,10 @@ class InProcessWorkers:
         kind = FailureKind.RECOVERY_FAILED if rc == EXIT_RECOVERY_FAILED else (
             FailureKind.WORKER_SIGNAL if rc < 0 else FailureKind.WORKER_ERROR)
         detail = f"worker local rank {local} (pid {pid}) " + (f"killed by signal {-rc}" if rc < 0 else f"exited {rc}")
+        # A config error or failing saves: a spare would fail the same way (the worker said why in its log).
+        stopping = stopping_failure(rc, self._attempt.log_text() if self._attempt else "")
+        if stopping is not None:
+            kind, detail = stopping
         result = AttemptResult(Outcome.FAILED, rc, kind=kind, detail=detail,
                                attempt_dir=self._attempt.dir if self._attempt else None)
         if kind == FailureKind.RECOVERY_FAILED or self.spare is None or not on_failure(result):
