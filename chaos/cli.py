@@ -84,7 +84,7 @@ def _check_timeout(value: float) -> None:
 def _cmd_run(args: argparse.Namespace, launch_cmd: list[str]) -> int:
     from chaos.analysis import Expectation, check_run
     from chaos.injectors import EtcdOutage
-    from chaos.plan import load_plan
+    from chaos.plan import check_targets, load_plan
     from chaos.report import format_table, plot_timeline, write_json
     from chaos.runner import CHAOS_DIR, ChaosRunner, resolve_launch
     from chaos.suite import child_env
@@ -95,6 +95,7 @@ def _cmd_run(args: argparse.Namespace, launch_cmd: list[str]) -> int:
         launch = resolve_launch(launch_cmd)
     except ValueError as exc:
         raise ConfigError("--", str(exc)) from None
+    check_targets(plan.faults, launch.nodes, launch.world_size)  # a typo is found now, not after the run
     faults = plan.schedule(launch.nodes)
     for f in faults:
         print(f"chaos: planned {f.describe()}", file=sys.stderr)

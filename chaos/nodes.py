@@ -17,8 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from chaos.netns import NODE_IFNAME, NetLab
-
-EXIT_EXCLUDED = 93
+from elastic.common.exits import EXIT_EXCLUDED
 
 
 @dataclass

@@ -31,6 +31,7 @@ from typing import Any
 
 import yaml
 
+from chaos.follow import parse_target
 from chaos.injectors import REGISTRY, Injector
 from elastic.common.config import ConfigError, from_dict
 
@@ -201,6 +202,20 @@ def parse_plan(data: Any) -> Plan:
     if not plan.faults and plan.random is None:
         raise ConfigError("", "the plan has no faults (give faults: or random:)")
     return plan
+
+
+def check_targets(faults: list[FaultSpec], nodes: list[str], world_size: int) -> None:
+    """Every explicit fault's target exists in the launch: ConfigError naming the fault, before anything runs."""
+    for i, spec in enumerate(faults):
+        if spec.target in ("", "any") or (spec.target == "etcd" and spec.fault.startswith("etcd")):
+            continue
+        node, rank = parse_target(spec.target)
+        if node is not None and node not in nodes:
+            raise ConfigError(f"faults[{i}].target", f"{node!r} is not a node of this launch "
+                                                     f"(nodes: {', '.join(nodes)})")
+        if rank is not None and rank >= world_size:
+            raise ConfigError(f"faults[{i}].target", f"rank{rank} does not exist: this launch has at most "
+                                                     f"{world_size} ranks (rank0..rank{world_size - 1})")
 
 
 def load_plan(path: str | Path) -> Plan:

@@ -44,6 +44,8 @@ class LaunchSpec:
     steps: int
     etcd_prefix: str = ""
     """The run's root key in etcd (exclusion records live below it)."""
+    world_size: int = 0
+    """The most ranks the launch can have (max nodes x workers per node)."""
 
 
 def resolve_launch(command: list[str]) -> LaunchSpec:
@@ -63,7 +65,8 @@ def resolve_launch(command: list[str]) -> LaunchSpec:
         raise ValueError("chaos run drives local launches only (no --etcd-endpoint)")
     nodes = [f"node{i}" for i in range(cfg.launch.max_nodes)]
     return LaunchSpec([sys.executable, "-m", "launch", *rest], Path(cfg.run_dir()).resolve(), nodes,
-                      cfg.trainer_steps(), run_prefix(cfg.rendezvous.key_prefix, cfg.run.id))
+                      cfg.trainer_steps(), run_prefix(cfg.rendezvous.key_prefix, cfg.run.id),
+                      cfg.launch.max_nodes * cfg.launch.nproc_per_node)
 
 
 @dataclass

@@ -36,6 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, help="training steps (trainer.steps)")
     p.add_argument("--allow-chaos", action="store_true",
                    help="execute chaos faults delivered to this node through etcd (agent.chaos.enabled; off by default)")
+    p.add_argument("--fresh", action="store_true",
+                   help="start from step 0: move the run dir's checkpoints aside (checkpoints.old-N), never delete")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override any config field, e.g. --set checkpoint.interval_steps=5")
     add_security_flags(p)
@@ -98,10 +100,32 @@ def main(argv: list[str] | None = None) -> int:
     except StoreError as exc:  # credentials refused (auth / TLS): retrying cannot help
         print(f"elastic-launch: etcd error: {exc}", file=sys.stderr)
         return 2
-    from launch.local import Launcher, format_summary
+    return _launch(cfg, args.fresh)
 
-    launcher = Launcher(cfg, Path(cfg.run_dir()).resolve(), live=sys.stdout.isatty())
-    result = launcher.run()
+
+def _launch(cfg: RunConfig, fresh: bool) -> int:
+    from elastic.control.etcd_server import EtcdServerError
+    from launch.checkpoints import CheckpointConflict, check_checkpoints
+    from launch.local import Launcher, format_summary
+    from launch.rundir import RunDirError, os_error_line, prepare_run_dir
+
+    run_dir = Path(cfg.run_dir()).resolve()
+    try:
+        prepare_run_dir(run_dir, embedded_etcd=not cfg.launch.etcd_endpoint)
+        check_checkpoints(cfg, run_dir, fresh, lambda line: print(f"elastic-launch: {line}", file=sys.stderr))
+        result = Launcher(cfg, run_dir, live=sys.stdout.isatty()).run()
+    except RunDirError as exc:
+        print(f"elastic-launch: run dir error: {exc}", file=sys.stderr)
+        return 2
+    except CheckpointConflict as exc:
+        print(f"elastic-launch: checkpoint mismatch: {exc}", file=sys.stderr)
+        return 2
+    except EtcdServerError as exc:
+        print(f"elastic-launch: etcd error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # the run dir failed under the running launch (e.g. the disk filled up)
+        print(f"elastic-launch: run dir error: {os_error_line(exc)}", file=sys.stderr)
+        return 2
     print(format_summary(result.summary), flush=True)
     return result.exit_code
 

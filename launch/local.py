@@ -25,15 +25,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from elastic.agent.node import EXIT_EXCLUDED
+from elastic.common.exits import EXIT_EXCLUDED
 from elastic.control.etcd_cluster import EtcdCluster
-from elastic.common.events import EventLog, read_run_events
-from elastic.run.goodput import compute_goodput, format_goodput
+from elastic.common.events import EventLog
 from elastic.control.keys import RunKeys
 from elastic.control.runstate import RunState
 from elastic.control.store import EtcdStore, StoreError
 from elastic.common.procs import child_preexec, descendants, terminate_tree
 from elastic.run.schema import RESOLVED_NAME, RunConfig, dump_run_file
+from launch.summary import EXIT_UNSAVED, format_summary, summarize
+
+__all__ = ["Launcher", "LaunchResult", "format_summary"]
 
 if TYPE_CHECKING:
     from launch.status import LiveStatus
@@ -61,7 +63,9 @@ class Launcher:
         self.etcd: EtcdCluster | None = None
         self.agents: list[AgentProc] = []
         self._stop_signal: int | None = None
-        self.events = EventLog(self._events_path(), "launcher")
+        # Opened by run() once the previous launch's files are in history/ (a fresh run dir
+        # must not get a history/0 holding only this launch's just-created log).
+        self.events = EventLog(None, "launcher")
 
     def _events_path(self) -> Path:
         # In cluster mode one launcher per host shares the run dir: writers never share a file.
@@ -114,6 +118,7 @@ class Launcher:
         try:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             self._archive_previous()
+            self.events = EventLog(self._events_path(), "launcher")
             self.cfg.fingerprint = self.cfg.compute_fingerprint()
             config_path = self.run_dir / RESOLVED_NAME
             dump_run_file(self.cfg, config_path)
@@ -132,11 +137,14 @@ class Launcher:
             self._teardown()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
-        summary = self.summarize(time.time() - started)
+        summary = summarize(self.cfg, self.run_dir, {a.node_id: a.rc for a in self.agents}, time.time() - started,
+                            self._stop_signal)
         summary["loss_png"] = self._loss_plot()
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         (self.run_dir / "goodput.json").write_text(json.dumps(summary["goodput"], indent=1))
-        return LaunchResult(self._exit_code(), summary)
+        code = self._exit_code()
+        # A run whose newest steps are in no committed checkpoint is not a clean success.
+        return LaunchResult(EXIT_UNSAVED if code == 0 and summary["unsaved_steps"] else code, summary)
 
     def _loss_plot(self) -> str | None:
         if not self.cfg.run.loss_plot:
@@ -161,8 +169,10 @@ class Launcher:
             # Other hosts' launchers write to this run dir right now: moving it would pull their
             # files away; a cluster relaunch appends to the same logs instead.
             return
-        old = [self.run_dir / name for name in ("events", "torchrun", "logs", "summary.json")
-               if (self.run_dir / name).exists()]
+        outputs = ("events", "torchrun", "logs", "stacks", "summary.json", "goodput.json", "loss.png",
+                   "final_checksum.txt")
+        old = [self.run_dir / name for name in outputs if (self.run_dir / name).exists()]
+        old += sorted(self.run_dir.glob("final_checksum-*.txt"))  # replica groups' checksums
         if old:
             history = self.run_dir / "history"
             history.mkdir(exist_ok=True)
@@ -170,11 +180,7 @@ class Launcher:
             dest.mkdir()
             for path in old:
                 path.rename(dest / path.name)
-        if not self.cfg.launch.etcd_endpoint:
-            shutil.rmtree(self.run_dir / "etcd", ignore_errors=True)
-        # The events log was opened before archiving; reopen it at the fresh path.
-        self.events.close()
-        self.events = EventLog(self._events_path(), "launcher")
+        shutil.rmtree(self.run_dir / "etcd", ignore_errors=True)
 
     def _wait_agents(self, endpoint: str, config_path: Path) -> None:
         respawn = self.cfg.launch.respawn_excluded and not self.cfg.launch.etcd_endpoint
@@ -258,50 +264,3 @@ class Launcher:
             return 0
         nonzero = [c for c in codes if c not in (0, None)]
         return nonzero[0] if nonzero else 1
-
-    # -- report ---------------------------------------------------------------
-    def summarize(self, wall_s: float) -> dict:
-        events = read_run_events(self.run_dir)
-        steps = [e for e in events if e["kind"] == "trainer.step"]
-        restarts = [e for e in events if e["kind"] == "agent.restart"]
-        failures = [e for e in events if e["kind"] == "agent.state" and e.get("state") == "FAILED"]
-        commits = [e for e in events if e["kind"] == "checkpoint.committed" and e["source"] == "trainer/rank0"]
-        checksum_file = self.run_dir / "final_checksum.txt"
-        excluded = {e["source"].split("/", 1)[1]: e.get("reason") for e in events
-                    if e["kind"] == "agent.state" and e.get("state") == "EXCLUDED"}
-        return {
-            "run_id": self.cfg.run.id,
-            "run_dir": str(self.run_dir),
-            "nodes": {a.node_id: a.rc for a in self.agents},
-            "wall_s": round(wall_s, 2),
-            "steps_target": self.cfg.trainer_steps(),
-            "last_step": max((e["step"] for e in steps), default=0),
-            "step_events": len(steps),
-            "failures": [{"node": e["source"], "failure_kind": e.get("failure_kind"), "rc": e.get("rc"),
-                          "action": e.get("action"), "detail": e.get("detail")} for e in failures],
-            "excluded": excluded,
-            "hangs_detected": sum(1 for e in events if e["kind"] == "agent.hang_detected"),
-            "rollbacks": sum(1 for e in events if e["kind"] == "agent.rollback"),
-            "restarts": len(restarts),
-            "restarts_counted": sum(1 for e in restarts if e.get("counted")),
-            "checkpoints_committed": sorted({e["step"] for e in commits}),
-            "final_checksum": checksum_file.read_text().strip() if checksum_file.exists() else None,
-            "interrupted_by_signal": self._stop_signal,
-            "goodput": compute_goodput(events),
-        }
-
-
-def format_summary(summary: dict) -> str:
-    lines = [
-        f"run {summary['run_id']}: {summary['last_step']}/{summary['steps_target']} steps "
-        f"in {summary['wall_s']:.1f}s, {summary['restarts']} restarts "
-        f"({summary['restarts_counted']} counted failures)",
-        "nodes: " + ", ".join(f"{n}=rc{rc}" for n, rc in summary["nodes"].items()),
-        *(["excluded: " + ", ".join(f"{n} ({r})" for n, r in summary["excluded"].items())]
-          if summary["excluded"] else []),
-        f"checkpoints: {summary['checkpoints_committed']}",
-        format_goodput(summary["goodput"]),
-        f"final checksum: {summary['final_checksum']}",
-        f"run dir: {summary['run_dir']}",
-    ]
-    return "\n".join(lines)

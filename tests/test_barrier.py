@@ -25,12 +25,6 @@ from elastic.rendezvous.barrier import BarrierRendezvousHandler, BarrierSettings
 from elastic.rendezvous.c10d_store import EtcdC10dStore
 
 
-@pytest.fixture(autouse=True)
-def _no_shared_store(monkeypatch):
-    # As under the node agent: the workers' store is rank 0's, not one the agent hosts.
-    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-
-
 def handlers(endpoint: str, n: int, run_id: str = "rb", min_nodes: int | None = None, max_nodes: int | None = None,
              **conf: str) -> list[BarrierRendezvousHandler]:
     params = dict(backend="etcd3", endpoint=endpoint, run_id=run_id, min_nodes=min_nodes or n,
@@ -140,8 +134,7 @@ def test_dead_coordinator_is_replaced(etcd_endpoint, subprocess_env):
     """The first joiner (the round's coordinator) is SIGKILLed; when its lease expires a waiter takes
     the role over and closes the round on last call (nobody else would: max_nodes is not reached)."""
     conf = dict(last_call_timeout="1", keep_alive_interval="1", keep_alive_max_attempt="2", join_timeout="30")
-    code = ("import os; os.environ['TORCH_DISABLE_SHARE_RDZV_TCP_STORE']='1';"
-            "from torch.distributed.elastic.rendezvous import RendezvousParameters as P;"
+    code = ("from torch.distributed.elastic.rendezvous import RendezvousParameters as P;"
             "from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler as g;"
             f"g(P('etcd3', {etcd_endpoint!r}, 'rb', 2, 4, local_addr='127.0.0.1', **{conf!r})).next_rendezvous()")
     first = subprocess.Popen([sys.executable, "-c", code], env=subprocess_env)

@@ -40,6 +40,8 @@ def _walk(cls: type, prefix: str = "") -> tuple[list[tuple[str, Any]], list[str]
     """(leaf fields with their types, section paths) of a config dataclass."""
     leaves, sections = [], [prefix] if prefix else []
     for name, tp in get_type_hints(cls).items():
+        if get_origin(tp) is typing.ClassVar:  # a class constant (e.g. checkpoint_neutral_fields), not a field
+            continue
         path = f"{prefix}.{name}" if prefix else name
         if path == "trainer":  # the default workload's section (the run schema leaves it to the workload)
             tp = workloads.get(DEFAULT_WORKLOAD).config_class
@@ -47,7 +49,7 @@ def _walk(cls: type, prefix: str = "") -> tuple[list[tuple[str, Any]], list[str]
             sub_leaves, sub_sections = _walk(tp, path)
             leaves += sub_leaves
             sections += sub_sections
-        elif path != "fingerprint":
+        elif path != "fingerprint" and tp is not Any:  # ``trainer``: the workload's own schema, typed elsewhere
             leaves.append((path, tp))
     return leaves, sections
 

@@ -103,11 +103,12 @@ def test_cluster_mode_launcher_per_host(tmp_path):
     from launch.local import Launcher
 
     local = Launcher(load_run_file(None), tmp_path)
-    assert local.local_addr() == "127.0.0.1" and local.events.path.name == "launcher.jsonl"
+    assert local.local_addr() == "127.0.0.1" and local._events_path().name == "launcher.jsonl"
     cfg = override(override(load_run_file(None), "launch.etcd_endpoint", "127.0.0.1:1"), "launch.node_id", "h7")
     cluster = Launcher(cfg, tmp_path)
     assert cluster.node_ids() == ["h7"] and cluster.local_addr() == socket.getfqdn()
-    assert cluster.events.path.name == "launcher-h7.jsonl"
+    assert cluster._events_path().name == "launcher-h7.jsonl"
+    (tmp_path / "events").mkdir(exist_ok=True)
     (tmp_path / "events" / "agent-h3.jsonl").write_text("{}\n")  # another host's live log
     cluster._archive_previous()
     assert (tmp_path / "events" / "agent-h3.jsonl").exists() and not (tmp_path / "history").exists()

@@ -94,7 +94,7 @@ def _agent(tmp_path: Path, endpoint: str, node: str = "n0") -> NodeAgent:
 def test_agent_publishes_metrics_address_and_status_reads_it(tmp_path, etcd_endpoint, capsys):
     agent = _agent(tmp_path, etcd_endpoint)
     store = EtcdStore(etcd_endpoint)
-    serve_metrics(agent.metrics, agent.config.metrics, agent.events, agent._say)
+    serve_metrics(agent.metrics, agent.config.metrics, agent.events, agent.leave.say)
     try:
         assert "--local-addr=10.1.2.3" in agent.new_attempt(0).argv()
         agent.records.lease = LeaseKeeper(store, 10)

@@ -23,7 +23,7 @@ Sections::
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import ClassVar, Literal
 
 from elastic.common.config import ConfigError
 
@@ -237,6 +237,12 @@ class OptimConfig:
 
 @dataclass(kw_only=True)
 class DiTTrainerConfig:
+    checkpoint_neutral_fields: ClassVar[frozenset[str]] = frozenset(
+        {"steps", "step_sleep", "flow.sample_steps", "flow.cfg_scale"})
+    """Fields that do not change the meaning of saved state: run length, pacing and the sampler's
+    settings (read only by trainer.sample).  The learning-rate schedule is a warmup and then
+    constant, so it does not depend on ``steps`` and a run may be extended."""
+
     steps: int = 40
     """Optimizer steps to train in total (across restarts)."""
     seed: int = 0

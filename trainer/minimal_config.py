@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from elastic.common.config import ConfigError
 
 
 @dataclass(kw_only=True)
 class MLPTrainerConfig:
+    checkpoint_neutral_fields: ClassVar[frozenset[str]] = frozenset({"steps", "step_sleep"})
+    """Run length and pacing: a finished run relaunched with more steps resumes its checkpoints."""
+
     steps: int = 40
     """Optimizer steps to train in total (across restarts)."""
     seed: int = 0

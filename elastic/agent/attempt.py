@@ -52,6 +52,7 @@ class AttemptResult:
     numerics_step: int | None = None
     attempt_dir: Path | None = None
     decision: Any = None  # set when the failure was already decided and counted (in-process path)
+    step: int | None = None  # the newest step a local rank reported (where the fault hit)
 
 
 @dataclass

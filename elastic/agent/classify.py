@@ -14,7 +14,7 @@ from enum import Enum
 from pathlib import Path
 
 from elastic.common.peers import is_peer_lost
-from elastic.worker.channel import EXIT_NUMERICS
+from elastic.worker.channel import EXIT_CHECKPOINT, EXIT_CONFIG, EXIT_NUMERICS
 
 
 class FailureKind(str, Enum):
@@ -30,15 +30,21 @@ class FailureKind(str, Enum):
     RENDEZVOUS_TIMEOUT = "rendezvous_timeout"  # not enough nodes joined in time
     TORCHRUN = "torchrun"                      # torchrun itself died or failed before workers ran
     RECOVERY_FAILED = "recovery_failed"        # in-process re-formation could not continue (falls back)
+    CONFIG = "config"                          # the worker cannot run this config (e.g. another config's checkpoint)
+    CHECKPOINT = "checkpoint"                  # checkpoint saves kept failing (checkpoint.on_save_failure: stop)
 
 
 # A failure of one of these classes is a consequence of some other node's failure:
 # it does not count against this node's restart budget or its lemon record.
-UNCOUNTED = frozenset({FailureKind.PEER_LOST, FailureKind.STALL, FailureKind.RECOVERY_FAILED})
+# Nor is a config or storage problem, or a rendezvous that waited in vain for other nodes.
+UNCOUNTED = frozenset({FailureKind.PEER_LOST, FailureKind.STALL, FailureKind.RECOVERY_FAILED,
+                       FailureKind.CONFIG, FailureKind.CHECKPOINT, FailureKind.RENDEZVOUS_TIMEOUT})
 
 _TIMEOUT = ("Timed out waiting", "timed out", "Timeout", "DistBackendError: [../third_party/gloo")
 _OOM = ("OutOfMemoryError", "CUDA out of memory", "std::bad_alloc", "Cannot allocate memory")
 _EXITCODE_RE = re.compile(r"exitcode\s*:\s*(-?\d+)")
+_WORKER_LINE_RE = re.compile(r"^trainer: (.+)$", re.MULTILINE)
+_STOPPING = {EXIT_CONFIG: FailureKind.CONFIG, EXIT_CHECKPOINT: FailureKind.CHECKPOINT}
 
 
 def worker_exit_codes(torchrun_log: str) -> list[int]:
@@ -54,6 +60,9 @@ def classify(attempt_dir: Path, torchrun_rc: int | None, torchrun_log: str = "",
         return FailureKind.NUMERICS, "trainer reported bad numerics"
     if "RendezvousTimeoutError" in torchrun_log:
         return FailureKind.RENDEZVOUS_TIMEOUT, "rendezvous timed out waiting for enough nodes"
+    stopping = next((stop for c in codes if (stop := stopping_failure(c, torchrun_log)) is not None), None)
+    if stopping is not None:
+        return stopping
     messages = []
     for err in sorted(attempt_dir.glob("**/error.json")):
         try:
@@ -77,6 +86,20 @@ def classify(attempt_dir: Path, torchrun_rc: int | None, torchrun_log: str = "",
     if codes:
         return FailureKind.WORKER_ERROR, f"worker exited with code {codes[0]}"
     return FailureKind.WORKER_SIGNAL, f"torchrun exited with {torchrun_rc}"
+
+
+def stopping_failure(rc: int, log: str) -> tuple[FailureKind, str] | None:
+    """A worker exit code that means "restarting cannot help" (config, failing saves), with the
+    worker's own line from ``log``; None for any other code."""
+    if rc not in _STOPPING:
+        return None
+    return _STOPPING[rc], worker_line(log) or f"worker exited with code {rc}"
+
+
+def worker_line(torchrun_log: str) -> str:
+    """The last one-line message a worker printed (``trainer: ...``), or ""."""
+    found = _WORKER_LINE_RE.findall(torchrun_log)
+    return found[-1].strip() if found else ""
 
 
 def _first_error_line(text: str) -> str:

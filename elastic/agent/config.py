@@ -27,6 +27,8 @@ DEFAULT_ACTIONS: dict[str, str] = {
     "torchrun": "restart",
     "rendezvous_timeout": "stop",
     "recovery_failed": "restart",
+    "config": "stop",       # the worker cannot run this config: a restart would fail the same way
+    "checkpoint": "stop",   # saves kept failing (checkpoint.on_save_failure: stop chose this)
 }
 _UNCOUNTED = ("peer_lost", "stall", "recovery_failed")
 
@@ -156,6 +158,10 @@ class AgentConfig:
     """How often the run's restart epoch is read from etcd."""
     lease_ttl_s: int = 10
     """TTL of the node record; the agent refreshes it at a third of this."""
+    etcd_wait_s: float = 60.0
+    """How long the agent waits out an unreachable etcd where it cannot go on without one (joining,
+    starting an attempt) before it stops with one line naming the endpoint.  A running attempt
+    keeps training through an outage; the workers do not need etcd between rendezvous."""
     pg_timeout_s: float = 60.0
     """Collective timeout handed to the trainer (gloo/NCCL), far below NCCL's 30 min default.
 
@@ -172,7 +178,7 @@ class AgentConfig:
     def __post_init__(self) -> None:
         if self.max_restarts < 0:
             raise ConfigError("max_restarts", "must be >= 0")
-        for name in ("term_grace_s", "monitor_interval_s", "epoch_poll_s", "pg_timeout_s"):
+        for name in ("term_grace_s", "monitor_interval_s", "epoch_poll_s", "pg_timeout_s", "etcd_wait_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(name, "must be > 0")
         if self.lease_ttl_s < 2:

@@ -14,7 +14,10 @@ without reporting is the culprit; workers asleep in a blocking call are
 victims waiting on a peer elsewhere.  The culprit's agent acts at
 ``step_timeout_s``; a victim's agent only at ``stall_factor`` times that, so
 the blame normally lands on the hung node while a node that vanished
-entirely still cannot stall the run forever.
+entirely still cannot stall the run forever.  In between (``SUSPECT``: silent,
+every local rank asleep) the agent attributes the hang from what every rank
+is doing (:mod:`elastic.agent.hangs`): a rank asleep in I/O or on a lock is
+asleep too, but it is not in the collective the others wait in.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ class Silence(str, Enum):
     NONE = "none"
     CULPRIT = "culprit"   # a local worker is stopped or spinning without reporting
     VICTIM = "victim"     # local workers are blocked, waiting on someone else
+    SUSPECT = "suspect"   # silent past step_timeout_s, all asleep: attribute before calling it a stall
     INIT = "init"         # no first step within init_timeout_s
 
 
@@ -133,7 +137,7 @@ class HeartbeatMonitor:
         if silent > self.config.step_timeout_s * self.config.stall_factor:
             return Silence.VICTIM, (f"all local ranks blocked {silent:.1f}s "
                                     f"(> {self.config.stall_factor:g} x step_timeout_s); a peer is hung or gone")
-        return Silence.NONE, ""
+        return Silence.SUSPECT, f"all local ranks blocked {silent:.1f}s > step_timeout_s={self.config.step_timeout_s:g}"
 
     def _local_culprit(self) -> str:
         for rank, view in sorted(self.ranks.items()):

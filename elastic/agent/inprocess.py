@@ -30,13 +30,13 @@ import threading
 import time
 
 from elastic.agent.attempt import AttemptResult, NodeSpec, Outcome, TorchrunAttempt
-from elastic.agent.classify import FailureKind
+from elastic.agent.classify import FailureKind, stopping_failure
 from elastic.agent.config import InProcessConfig
 from elastic.checkpoint.memclient import MemStateClient
 from elastic.checkpoint.memstate import MemStateError, MemStateServer, SnapMeta
 from elastic.common.env import WorkerEnv
 from elastic.common.events import EventLog
-from elastic.common.exits import EXIT_CONFIG, EXIT_NUMERICS, EXIT_RECOVERY_FAILED, EXIT_SCREEN_FAILED
+from elastic.common.exits import EXIT_CHECKPOINT, EXIT_CONFIG, EXIT_NUMERICS, EXIT_RECOVERY_FAILED, EXIT_SCREEN_FAILED
 from elastic.common.procs import reap, terminate_tree
 from elastic.control.generations import Generations
 from elastic.control.runstate import RunState
@@ -121,7 +121,7 @@ def ring_successor(node_id: str, nodes: dict[str, dict]) -> tuple[str, str, str]
 
 
 # Exit codes a worker leaves with on purpose: the agent's usual path decides (classify, roll back, exclude).
-_DELIBERATE = frozenset({EXIT_NUMERICS, EXIT_SCREEN_FAILED, EXIT_CONFIG})
+_DELIBERATE = frozenset({EXIT_NUMERICS, EXIT_SCREEN_FAILED, EXIT_CONFIG, EXIT_CHECKPOINT})
 
 
 def _death_kind(rc: int) -> FailureKind | None:
@@ -213,9 +213,12 @@ class InProcessWorkers:
 
     def _death(self, local: int, pid: int, rc: int, on_failure) -> AttemptResult | None:
         detail = f"worker local rank {local} (pid {pid}) " + (f"killed by signal {-rc}" if rc < 0 else f"exited {rc}")
-        result = AttemptResult(Outcome.FAILED, rc, kind=_death_kind(rc), detail=detail,
+        # A config error or failing saves: a spare would fail the same way (the worker said why in its log).
+        stopping = stopping_failure(rc, self._attempt.log_text() if self._attempt else "")
+        kind, detail = stopping if stopping is not None else (_death_kind(rc), detail)
+        result = AttemptResult(Outcome.FAILED, rc, kind=kind, detail=detail,
                                attempt_dir=self._attempt.dir if self._attempt else None)
-        if rc in _DELIBERATE:  # the worker chose to leave (numerics rollback, screen, config): not a death
+        if stopping is not None or rc in _DELIBERATE:  # the worker chose to leave: the agent's usual path decides
             return result
         if result.kind == FailureKind.RECOVERY_FAILED or self.spare is None or not on_failure(result):
             self.events.emit("agent.inprocess_fallback", local_rank=local, rc=rc, detail=detail,

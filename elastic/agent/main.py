@@ -9,7 +9,8 @@ import sys
 from pathlib import Path
 
 from elastic.agent.attempt import NodeSpec
-from elastic.agent.node import EXIT_CONFIG, NodeAgent
+from elastic.agent.node import NodeAgent
+from elastic.common.exits import EXIT_CONFIG
 from elastic.common.config import ConfigError, to_dict
 from elastic.common.procs import set_parent_death_signal
 from elastic.control.admission import Admission, join_fingerprint

@@ -26,16 +26,16 @@ from __future__ import annotations
 
 import json
 import signal
-import sys
 import threading
-import time
 from enum import Enum
 from pathlib import Path
 
 from elastic.agent.attempt import AttemptResult, NodeSpec, Outcome, ReportInbox, TorchrunAttempt
 from elastic.agent.config import AgentConfig, RendezvousConfig
 from elastic.agent.failures import Decision, FailureHandler, ProgressGuard
+from elastic.agent.leaving import Leaving
 from elastic.agent.metrics import AgentMetrics, MeteredEventLog
+from elastic.agent.outage import EtcdUnreachable, EtcdWait
 from elastic.agent.records import NodeRecords
 from elastic.agent.inprocess import InProcessWorkers, inprocess_env, memory_store, peer_address
 from elastic.agent.metrics import serve_metrics
@@ -57,8 +57,6 @@ from elastic.control.store import EtcdStore, KVStore, StoreError
 from elastic.replicas.config import ReplicaConfig
 
 EXIT_SUCCESS = 0
-EXIT_FAILURE = 1
-EXIT_CONFIG = 2
 EXIT_INTERRUPTED = 130
 
 __all__ = ["NodeAgent", "NodeSpec", "AgentState", "EXIT_EXCLUDED"]
@@ -82,7 +80,9 @@ class NodeAgent:
                  store: KVStore | None = None, inprocess: bool = False,
                  checkpoint_root: Path | None = None) -> None:
         self.spec, self.config, self.rdzv, self.admission = spec, config, rdzv, admission
-        self.store = store if store is not None else EtcdStore(spec.endpoint)
+        # One store call gives up within etcd_wait_s at most; EtcdWait bounds the waiting in all.
+        self.store = store if store is not None else EtcdStore(spec.endpoint,
+                                                               retry_deadline=min(15.0, config.etcd_wait_s))
         self.keys = RunKeys.of(rdzv.key_prefix, spec.run_id)
         self.state = RunState(self.store, self.keys)
         self.metrics = AgentMetrics(spec.node_id, spec.run_dir)
@@ -97,6 +97,8 @@ class NodeAgent:
         self.inbox = ReportInbox()
         self.scope = make_scope(spec, self.state, self.events, replicas)
         self.records = NodeRecords(self.state, spec.node_id, self.events, lambda: self.metrics.address)
+        self.etcd = EtcdWait(spec.endpoint, config.etcd_wait_s, self.events, self._stop)
+        self.leave = Leaving(spec, self.state, self.records, self.scope, self.events, self._set_state)
         # In-process recovery: the agent adopts its workers from torchrun (elastic.agent.inprocess).
         self.inprocess = config.inprocess if inprocess and become_subreaper() else None
         self.memstate = memory_store(spec, self.state, self.events,
@@ -104,7 +106,8 @@ class NodeAgent:
         if self.memstate is not None and self.inprocess is not None:
             self.records.extra["memstate"] = peer_address(spec, self.memstate)
         self.screener = Screener(config.preflight, spec.node_id, spec.run_dir, spec.endpoint, self.state, self.events)
-        self.failures = FailureHandler(config.failure, spec.node_id, self.state, self.events)
+        self.failures = FailureHandler(config.failure, spec.node_id, self.state, self.events,
+                                       needs=(spec.nnodes, rdzv.join_timeout_s))
         self.progress = ProgressGuard(config.failure.no_progress_restarts)
         self.supervisor = Supervisor(spec.node_id, config, self.state, self.events, self.metrics, self.inbox,
                                      self.scope, self.records, self.progress, self._stop, lambda: self.status.value)
@@ -118,8 +121,8 @@ class NodeAgent:
                                    if self.status == AgentState.RUNNING else 0.0)
 
     # -- bookkeeping ------------------------------------------------------------
-    def _set_state(self, state: AgentState, **fields) -> None:
-        self.status = state
+    def _set_state(self, state: AgentState | str, **fields) -> None:
+        self.status = state = AgentState(state)
         self.events.emit("agent.state", state=state.value, **fields)
         self.records.publish_node(state.value, self.failures.failures)
 
@@ -140,9 +143,11 @@ class NodeAgent:
     def run(self) -> int:
         self.events.emit("agent.start", run_id=self.spec.run_id, endpoint=self.spec.endpoint,
                          nnodes=self.spec.nnodes, max_restarts=self.config.max_restarts)
-        serve_metrics(self.metrics, self.config.metrics, self.events, self._say)
+        serve_metrics(self.metrics, self.config.metrics, self.events, self.leave.say)
         try:
             return self._run()
+        except EtcdUnreachable as exc:
+            return self.leave.give_up(str(exc))
         finally:
             self.metrics.close()
             if self.current is not None:
@@ -151,6 +156,7 @@ class NodeAgent:
             if self._leader is not None:
                 self._leader.close()
             if self.records.lease is not None:
+                self.records.left(self.status.value)  # a clean exit, not a lost node
                 self.records.lease.close(revoke=True)
             if self.memstate is not None:
                 self.memstate.close()
@@ -162,16 +168,17 @@ class NodeAgent:
         code = self._admit()
         if code is not None:
             return code
-        self.records.lease = LeaseKeeper(self.store, self.config.lease_ttl_s,
-                                         on_lost=lambda: self.events.emit("agent.lease_lost"))
+        self.records.lease = self.etcd.call("lease grant", lambda: LeaseKeeper(
+            self.store, self.config.lease_ttl_s, on_lost=lambda: self.events.emit("agent.lease_lost")))
         self._set_state(AgentState.REGISTERED)
+        self.records.joined()
         policy = ClusterPolicy(self.config.leader, leader_excluder(self.state, self.spec.node_id, self.events), self.events)
         self._leader = LeaderLoop(self.state, self.spec.node_id, self.config.leader, policy, self.events,
                                   on_tick=lambda leader: self.scope.on_leader_tick(leader, self.records.lease_id))
         self._leader.start()
-        self.scope.join_running(3 * self.config.heartbeat.publish_interval_s)
+        self.etcd.call("join", lambda: self.scope.join_running(3 * self.config.heartbeat.publish_interval_s))
         while not self._stop.is_set():
-            epoch = self.state.epoch()
+            epoch = self.etcd.call("epoch read", self.state.epoch)
             code = self._after(self._run_once(epoch), epoch)
             if code is not None:
                 return code
@@ -182,18 +189,18 @@ class NodeAgent:
         """Admission (token, fingerprint), exclusion list and screen: None if this node may train."""
         if self.admission is not None:
             try:
-                self.admission.check(self.store, self.keys, self.events)
+                self.etcd.call("admission", lambda: self.admission.check(self.store, self.keys, self.events))
             except Refused as exc:
                 self.events.emit("agent.refused", reason=str(exc), rc=exc.code)
-                self._say(f"refused: {exc}")
+                self.leave.say(f"refused: {exc}")
                 return exc.code
         self.remote.poll()  # faults planted before the start (bad readings for the screen) land now
-        excluded = self.state.exclusions.get(self.spec.node_id)
+        excluded = self.etcd.call("exclusion check", lambda: self.state.exclusions.get(self.spec.node_id))
         if excluded is not None:
             # A node excluded by a failed screen may come back by passing one (repaired); an
             # exclusion by the leader's policy or an operator only expires or is cleared.
             if not (self.config.preflight.enabled and excluded.get("by") in ("preflight", "rescreen")):
-                return self._leave_excluded(excluded.get("reason"), excluded.get("until"))
+                return self.leave.excluded(excluded.get("reason"), excluded.get("until"))
             code = self._screen("re-screen of an excluded node", by="preflight", epoch=None)
             if code is None:
                 self.state.exclusions.clear(self.spec.node_id)
@@ -212,7 +219,7 @@ class NodeAgent:
         result = self.screener.screen(why)
         if result.passed:
             return None
-        return self._exclude_self(result.reason, self.config.preflight.exclusion_ttl_s, by=by, epoch=epoch)
+        return self.leave.exclude_self(result.reason, self.config.preflight.exclusion_ttl_s, by=by, epoch=epoch)
 
     def _run_once(self, epoch: int) -> AttemptResult:
         self.attempt += 1
@@ -255,19 +262,17 @@ class NodeAgent:
             self.records.quietly("done", lambda: self.state.mark_done(self.spec.node_id))
             return EXIT_SUCCESS
         if result.outcome == Outcome.RUN_STOPPED:
-            record = self.state.stop_record() or {}
-            why = f"run stopped by {record.get('by')}: {record.get('reason')}"
-            self._set_state(AgentState.GAVE_UP, reason=why)
-            self._say(f": {why}")
-            return EXIT_FAILURE
+            record = self.records.quietly("stop_record", self.state.stop_record) or {}
+            return self.leave.give_up(f"run stopped by {record.get('by')}: {record.get('reason')}")
         if result.outcome == Outcome.SCREEN_FAILED:
-            return self._exclude_self(result.detail, self.config.preflight.exclusion_ttl_s, by="preflight", epoch=epoch)
+            return self.leave.exclude_self(result.detail, self.config.preflight.exclusion_ttl_s, by="preflight",
+                                           epoch=epoch)
         if result.outcome == Outcome.EXCLUDED:
             record = self.state.exclusions.get(self.spec.node_id) or {}
-            return self._leave_excluded(record.get("reason"), record.get("until"))
+            return self.leave.excluded(record.get("reason"), record.get("until"))
         self.progress.restarted()
         if result.outcome == Outcome.PEER_RESTART:
-            self.events.emit("agent.restart", reason="peer", epoch=epoch, counted=False)
+            self.events.emit("agent.restart", reason="peer", epoch=epoch, counted=False, fault=self._fault_id(epoch))
             return self._progress_check()
         return self._act(result.decision or self.failures.decide(result, epoch), result, epoch)
 
@@ -279,7 +284,8 @@ class NodeAgent:
         self._set_state(AgentState.FAILED, rc=result.rc, failure_kind=decision.kind.value, detail=decision.detail,
                         failures=self.failures.failures, epoch=epoch, action="replace")
         self.events.emit("agent.restart", reason=decision.kind.value, epoch=epoch, counted=decision.counted,
-                         failures=self.failures.failures, action="replace", path="inprocess")
+                         failures=self.failures.failures, action="replace", path="inprocess",
+                         fault=f"{self.spec.node_id}/e{epoch}-a{self.attempt}-{self.failures.failures}")
         self._set_state(AgentState.RUNNING, epoch=epoch, attempt=self.attempt, path="inprocess")
         return True
 
@@ -287,21 +293,26 @@ class NodeAgent:
         self._set_state(AgentState.FAILED, rc=result.rc, failure_kind=decision.kind.value, detail=decision.detail,
                         failures=self.failures.failures, epoch=epoch, action=decision.action)
         if decision.action == "stop":
-            return self._stop_run(decision.reason)
+            return self.leave.stop_run(decision.reason)
         if decision.action == "exclude":
-            return self._exclude_self(decision.reason, self.config.failure.exclusion_ttl_s, by="policy", epoch=epoch)
+            return self.leave.exclude_self(decision.reason, self.config.failure.exclusion_ttl_s, by="policy",
+                                           epoch=epoch)
         if decision.action == "rescreen" and self.config.preflight.enabled:
             code = self._screen(f"after {decision.kind.value}", by="rescreen", epoch=epoch)
             if code is not None:
                 return code
         new_epoch = self.scope.bump(epoch)
         if self.failures.failures > self.config.max_restarts:
-            self._set_state(AgentState.GAVE_UP, failures=self.failures.failures, max_restarts=self.config.max_restarts)
-            self._say(f"gave up after {self.failures.failures} failures (max_restarts={self.config.max_restarts})")
-            return EXIT_FAILURE
+            return self.leave.give_up(f"{self.failures.failures} failures, the last {decision.reason} "
+                                      f"(agent.max_restarts={self.config.max_restarts})",
+                                      failures=self.failures.failures, max_restarts=self.config.max_restarts)
         self.events.emit("agent.restart", reason=decision.kind.value, epoch=new_epoch, counted=decision.counted,
-                         failures=self.failures.failures, action=decision.action)
+                         failures=self.failures.failures, action=decision.action, fault=self._fault_id(epoch))
         return self._progress_check()
+
+    def _fault_id(self, epoch: int) -> str:
+        """Names one fault across agents: the epoch it ended (a replica group restarts alone)."""
+        return f"e{epoch}" if self.scope.name == "run" else f"{self.spec.node_id}/a{self.attempt}"
 
     def _progress_check(self) -> int | None:
         try:
@@ -309,27 +320,4 @@ class NodeAgent:
         except (StoreError, ValueError):
             latest = None
         reason = self.progress.check(latest)
-        return self._stop_run(reason) if reason else None
-
-    # -- leaving ------------------------------------------------------------------
-    def _say(self, message: str) -> None:
-        print(f"elastic-agent: node {self.spec.node_id} {message}", file=sys.stderr)
-
-    def _stop_run(self, reason: str) -> int:
-        """Stop the whole run: every agent sees the stop key and leaves."""
-        self.records.quietly("stop", lambda: self.state.request_stop(reason, self.spec.node_id))
-        self._set_state(AgentState.GAVE_UP, reason=reason)
-        self._say(f"stops the run: {reason}")
-        return EXIT_FAILURE
-
-    def _leave_excluded(self, reason: str | None, until: float | None) -> int:
-        self._set_state(AgentState.EXCLUDED, reason=reason, until=until)
-        self._say(f"is excluded from run {self.spec.run_id}: {reason}")
-        return EXIT_EXCLUDED
-
-    def _exclude_self(self, reason: str, ttl_s: float, by: str, epoch: int | None) -> int:
-        self.state.exclusions.add(self.spec.node_id, reason, ttl_s=ttl_s, by=by)
-        self.events.emit("agent.excluded_self", reason=reason, by=by, ttl_s=ttl_s)
-        if epoch is not None:
-            self.scope.bump(epoch)
-        return self._leave_excluded(reason, time.time() + ttl_s)
+        return self.leave.stop_run(reason) if reason else None

@@ -68,3 +68,11 @@ class NodeRecords:
         self.renew_lost_lease()
         record = {"node": self.node_id, "epoch": epoch, "state": agent_state, "ts": time.time(), **summary}
         self.quietly("heartbeat", lambda: self.state.put_heartbeat(self.node_id, record, lease=self.lease_id))
+
+    def joined(self) -> None:
+        """On the run's roster: if this agent vanishes now, the leader reports the node lost."""
+        self.quietly("member", lambda: self.state.set_member(self.node_id, "joined"))
+
+    def left(self, agent_state: str) -> None:
+        """Before the lease goes: this node leaves cleanly (the leader must not report it lost)."""
+        self.quietly("member", lambda: self.state.set_member(self.node_id, agent_state))

@@ -1,7 +1,8 @@
 """Watching one running torchrun attempt until it ends.
 
 While torchrun runs, the :class:`Supervisor` drains the workers' reports (steps, commits,
-numerics), judges silence (:mod:`elastic.agent.heartbeat`: hang, stall, slow start),
+numerics), judges silence (:mod:`elastic.agent.heartbeat`: hang, stall, slow start; a silence
+with every rank asleep is attributed first, :mod:`elastic.agent.hangs`),
 publishes the node heartbeat for the leader, and polls the run's shared state: a new epoch
 (a peer failed), this node's exclusion, the run's stop key.  Whatever ends the attempt comes
 back as one :class:`~elastic.agent.attempt.AttemptResult`.
@@ -17,6 +18,7 @@ from elastic.agent.attempt import AttemptResult, Outcome, ReportInbox, TorchrunA
 from elastic.agent.classify import FailureKind
 from elastic.agent.config import AgentConfig
 from elastic.agent.failures import ProgressGuard
+from elastic.agent.hangs import HangAttribution
 from elastic.agent.heartbeat import HeartbeatMonitor, Silence
 from elastic.agent.inprocess import InProcessWorkers
 from elastic.agent.metrics import AgentMetrics
@@ -53,6 +55,8 @@ class Supervisor:
         self.screener_record = lambda report: None  # set by the agent: records that verdict
         self.faults: RemoteFaults | None = None
         """Chaos faults delivered through etcd: fed this node's reports, polled every loop."""
+        self.hangs = HangAttribution(node_id, metrics.run_dir, state, events,
+                                     wait_s=config.heartbeat.step_timeout_s / 2)
 
     def stop_attempt(self, attempt: TorchrunAttempt, reason: str) -> None:
         workers = self.workers
@@ -72,6 +76,7 @@ class Supervisor:
         if workers is not None:
             workers.on_replace = self.monitor.recovering
         self.workers, self.on_failure = workers, on_failure
+        self.hangs.reset()
         self._numerics_step: int | None = None
         self.screened = None
         if self.faults is not None:
@@ -121,7 +126,8 @@ class Supervisor:
         self.metrics.tick()  # the attempt's last checkpoint events (the final commit)
         if rc == 0:
             return AttemptResult(Outcome.SUCCEEDED, rc)
-        return AttemptResult(Outcome.FAILED, rc, numerics_step=self._numerics_step, attempt_dir=attempt.dir)
+        return AttemptResult(Outcome.FAILED, rc, numerics_step=self._numerics_step, attempt_dir=attempt.dir,
+                             step=self.monitor.summary()["step"])
 
     def _on_report(self, report: dict, attempt: TorchrunAttempt, epoch: int) -> None:
         kind = report.get("type")
@@ -132,6 +138,7 @@ class Supervisor:
         if kind == "step":
             first = self.monitor.first_step_at is None
             self.monitor.observe(report)
+            self.hangs.reset()
             if first:
                 self.events.emit("agent.first_step", step=report.get("step"), epoch=epoch,
                                  attempt=attempt.number, since_start_s=attempt.runtime_s())
@@ -139,6 +146,9 @@ class Supervisor:
             self.monitor.observe(report)
         elif kind == "commit":
             self.progress.observe_commit(int(report.get("step", -1)))
+        elif kind == "fault":  # a peer was lost; the workers re-form in-process: say where the run stood
+            self.records.quietly("notice_fault", lambda: self.state.notice_fault(
+                epoch, report.get("step"), self.node_id, "peer_lost", gen=int(report.get("gen", 0))))
         elif kind == "screen":
             self.screened = self.screener_record(report)
         elif kind == "numerics":
@@ -181,6 +191,11 @@ class Supervisor:
         verdict, detail = self.monitor.check()
         if verdict == Silence.NONE or self._numerics_step is not None:
             return None
+        if verdict == Silence.SUSPECT:
+            blame = self.hangs.step(epoch, {rank: view.pid for rank, view in self.monitor.ranks.items()})
+            if blame is None:
+                return None
+            verdict, detail = Silence.CULPRIT, blame.detail
         kind = _SILENCE_KIND[verdict]
         self.events.emit("agent.hang_detected", verdict=verdict.value, detail=detail, epoch=epoch,
                          silent_s=round(self.monitor.silent_for(), 3))
@@ -188,4 +203,5 @@ class Supervisor:
         # wait out their own stall timeout while this node tears its workers down.
         self.records.quietly("bump_epoch", lambda: self.scope.bump(epoch))
         self.stop_attempt(attempt, f"{kind.value}: {detail}")
-        return AttemptResult(Outcome.FAILED, None, kind=kind, detail=detail, attempt_dir=attempt.dir)
+        return AttemptResult(Outcome.FAILED, None, kind=kind, detail=detail, attempt_dir=attempt.dir,
+                             step=self.monitor.summary()["step"])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 from elastic.common.config import ConfigError
 
@@ -32,7 +33,8 @@ class CheckpointConfig:
     dir: str = "checkpoints"
     """Checkpoint root; relative paths are resolved against the run directory."""
     interval_steps: int = 10
-    """Save every N optimizer steps (0 disables periodic saves)."""
+    """Save every N optimizer steps.  0: no periodic saves, only the final checkpoint at the last
+    step (a failure before it restarts the run from step 0)."""
     keep_last: int = 3
     """Committed checkpoints to retain; the newest is never deleted."""
     verify_on_load: bool = True
@@ -45,12 +47,20 @@ class CheckpointConfig:
     On a host shared with unrelated work a high value makes saves slower; 0 disables it."""
     memory: MemoryCacheConfig = field(default_factory=MemoryCacheConfig)
     """In-memory copy of the newest checkpoint held by the node agent (fast restart on a surviving node)."""
+    max_consecutive_failures: int = 3
+    """Saves that may fail in a row (no commit in between) before ``on_save_failure`` applies; 0 never."""
+    on_save_failure: Literal["stop", "warn"] = "stop"
+    """stop: the trainers stop (exit 88) and the agents stop the run with the reason, keeping the
+    last committed checkpoint; warn: a ``checkpoint.failing`` event and a warning line, training
+    goes on.  Either way the launcher's summary lists the failed saves and the unsaved steps."""
 
     def __post_init__(self) -> None:
         if self.interval_steps < 0:
             raise ConfigError("interval_steps", "must be >= 0")
         if self.keep_last < 1:
             raise ConfigError("keep_last", "must be >= 1")
+        if self.max_consecutive_failures < 0:
+            raise ConfigError("max_consecutive_failures", "must be >= 0 (0: never act on failed saves)")
         if not 0 <= self.writer_nice <= 19:
             raise ConfigError("writer_nice", "must be in 0..19")
 

@@ -3,7 +3,10 @@
 :class:`CommittedCheckpoints` is the read side of :class:`~elastic.checkpoint.manager.CheckpointManager`
 (which adds saving, commit and retention); ``trainer.sample`` uses it alone.  A checkpoint is
 considered only with a COMMIT marker whose checksums, sizes and fingerprint match, newest first;
-a corrupt, partial or foreign one is reported (``checkpoint.skipped_corrupt``) and skipped.
+a corrupt or partial one is reported (``checkpoint.skipped_corrupt``) and skipped.  One written by
+another run config is never skipped silently: the load stops with :class:`CheckpointMismatch`,
+whose one line names the differing fields (:mod:`elastic.checkpoint.identity`), because training
+from an older checkpoint or from step 0 would throw that run's progress away.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from elastic.checkpoint.config import CheckpointConfig
 from elastic.checkpoint.format import MANIFEST_FILE, SafetensorsShardReader, read_extra, read_manifest
+from elastic.checkpoint.identity import COMMIT_FILE, mismatch
 from elastic.checkpoint.memory import MemoryFastPath
 from elastic.common import collectives
 from elastic.common.events import EventLog
@@ -34,7 +38,6 @@ log = logging.getLogger(__name__)
 # DCP's CheckpointException derives from BaseException, not Exception.
 _FAILURES = (Exception, CheckpointException)
 
-COMMIT_FILE = "COMMIT"
 _STEP_RE = re.compile(r"^step-(\d{8})$")
 
 
@@ -43,7 +46,11 @@ class CheckpointError(RuntimeError):
 
 
 class CheckpointCorrupt(CheckpointError):
-    """A committed checkpoint failed verification (checksum, marker, fingerprint)."""
+    """A committed checkpoint failed verification (checksum, size, marker)."""
+
+
+class CheckpointMismatch(CheckpointError):
+    """The newest committed checkpoint was written by another run config (the message names the fields)."""
 
 
 def sha256_file(path: Path) -> str:
@@ -96,15 +103,18 @@ class CommittedCheckpoints:
     """The committed checkpoints under ``root`` (see the module docstring).
 
     ``memory`` is the in-memory fast path tried before the disk, ``group`` the process group the
-    load is collective over (None: this process alone).
+    load is collective over (None: this process alone).  ``fingerprint_basis`` is what
+    ``fingerprint`` was hashed from; it goes into every COMMIT marker so that a later loader of
+    another config can say which fields differ.
     """
 
     def __init__(self, config: CheckpointConfig, root: str | Path, fingerprint: str = "",
                  events: EventLog | None = None, group: dist.ProcessGroup | None = None,
-                 memory: MemoryFastPath | None = None) -> None:
+                 memory: MemoryFastPath | None = None, fingerprint_basis: dict[str, Any] | None = None) -> None:
         self.config = config
         self.root = Path(root)
         self.fingerprint = fingerprint
+        self.fingerprint_basis = fingerprint_basis
         self.events = events or EventLog(None, "checkpoint")
         self.group = group
         self.memory = memory
@@ -127,7 +137,7 @@ class CommittedCheckpoints:
 
     # -- load --------------------------------------------------------------
     def verify(self, step: int) -> dict[str, Any]:
-        """Return the COMMIT marker of ``step`` or raise CheckpointCorrupt."""
+        """Return the COMMIT marker of ``step``; CheckpointCorrupt, or CheckpointMismatch for another config's."""
         path = self.root / step_dir_name(step)
         try:
             marker = json.loads((path / COMMIT_FILE).read_text(encoding="utf-8"))
@@ -136,8 +146,9 @@ class CommittedCheckpoints:
             raise CheckpointCorrupt(f"{path.name}: unreadable commit marker ({exc})") from exc
         if marker.get("step") != step:
             raise CheckpointCorrupt(f"{path.name}: commit marker is for step {marker.get('step')}")
-        if self.fingerprint and marker.get("fingerprint") != self.fingerprint:
-            raise CheckpointCorrupt(f"{path.name}: written by a different run config (fingerprint mismatch)")
+        foreign = mismatch(path, marker, self.fingerprint, self.fingerprint_basis)
+        if foreign is not None:
+            raise CheckpointMismatch(foreign)
         if MANIFEST_FILE not in files:
             raise CheckpointCorrupt(f"{path.name}: commit marker lists no {MANIFEST_FILE}")
         for name, info in files.items():
@@ -168,13 +179,17 @@ class CommittedCheckpoints:
             return step, str(marker.get("id", ""))
         return None
 
-    def _pick(self, rejected: set[int]) -> int | None:
-        """Rank 0: newest committed step that verifies, reporting each one skipped."""
+    def _pick(self, rejected: set[int]) -> int | str | None:
+        """Rank 0: newest committed step that verifies, reporting each one skipped; the mismatch
+        line (a str) when the newest readable one is another config's."""
         for step in reversed(self.committed_steps()):
             if step in rejected:
                 continue
             try:
                 self.verify(step)
+            except CheckpointMismatch as exc:
+                self.events.emit("checkpoint.foreign", step=step, reason=str(exc))
+                return str(exc)
             except CheckpointCorrupt as exc:
                 self._report_skipped(step, str(exc))
                 rejected.add(step)
@@ -213,6 +228,8 @@ class CommittedCheckpoints:
         while True:
             chosen = self._pick(rejected) if self._rank == 0 else None
             chosen = collectives.broadcast_object(chosen, self.group)
+            if isinstance(chosen, str):
+                raise CheckpointMismatch(chosen)
             if chosen is None:
                 self.events.emit("checkpoint.none_loaded", rejected=sorted(rejected))
                 return None

@@ -51,7 +51,9 @@ corrupt, partial or foreign checkpoint is reported
 rank dying mid-save) never raise into training: they become
 ``checkpoint.save_failed`` events, an error log line and ``last_error``; the
 previous checkpoint stays the newest valid one and the temporary directory is
-removed by rank 0.
+removed by rank 0.  Failed saves in a row are counted by rank 0 (the committer)
+and agreed by every rank at the start of each save (they travel with the save's
+token); :meth:`failing` applies ``max_consecutive_failures`` / ``on_save_failure``.
 
 Per-rank ``extra`` state (RNG...) is restored to the rank with the same index.
 When a checkpoint saved by N ranks is loaded by M > N ranks, ranks N..M-1 get
@@ -84,6 +86,7 @@ from elastic.checkpoint.load import (
     COMMIT_FILE,
     CheckpointCorrupt,
     CheckpointError,
+    CheckpointMismatch,
     CommittedCheckpoints,
     _error_fields,
     sha256_file,
@@ -102,6 +105,7 @@ __all__ = [
     "CheckpointCorrupt",
     "CheckpointError",
     "CheckpointManager",
+    "CheckpointMismatch",
     "EtcdCheckpointPublisher",
     "publisher_from_env",
     "select_for_deletion",
@@ -156,17 +160,20 @@ class CheckpointManager(CommittedCheckpoints):
         publisher: Callable[[int, str], None] | None = None,
         storage: CheckpointStorage | None = None,
         memory_client: MemStateClient | None = None,
+        fingerprint_basis: dict[str, Any] | None = None,
     ) -> None:
         self._finalizer: ThreadPoolExecutor | None = None
         self._inflight: Future[None] | None = None
         self._closed = False
         if group is None and dist.is_initialized():
             group = dist.new_group(backend="gloo")
-        super().__init__(config, root, fingerprint, events, group)
+        super().__init__(config, root, fingerprint, events, group, fingerprint_basis=fingerprint_basis)
         self.publisher = publisher
         self.storage: CheckpointStorage = storage or LocalStorage()
         self.last_error: BaseException | None = None
         self.last_committed: int | None = None
+        self._streak: list[tuple[int, str]] = []  # rank 0: (step, error) of each save failed since the last commit
+        self.failed_in_a_row: list[tuple[int, str]] = []  # the streak as every rank agreed at the last save
         self.memory = MemoryFastPath.from_env(config.memory, fingerprint, self.events, self.group, memory_client)
         if self._rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
@@ -196,7 +203,8 @@ class CheckpointManager(CommittedCheckpoints):
         self.wait()
         waited_s = time.monotonic() - t_enter
         final = self.root / step_dir_name(step)
-        token = collectives.broadcast_object(uuid.uuid4().hex[:8] if self._rank == 0 else None, self.group)
+        token, self.failed_in_a_row = collectives.broadcast_object(
+            (uuid.uuid4().hex[:8], list(self._streak)) if self._rank == 0 else None, self.group)
         tmp = self.root / f".{final.name}.tmp-{token}"
         self.events.emit("checkpoint.save_start", step=step, path=str(tmp), waited_s=round(waited_s, 6))
         t0 = time.monotonic()
@@ -244,6 +252,23 @@ class CheckpointManager(CommittedCheckpoints):
         if not self.config.async_save:
             self.wait()
         return final
+
+    def failing(self) -> str | None:
+        """After :meth:`save`: the line to stop training with, when saves keep failing and the policy
+        says stop; None otherwise (with ``warn``, a ``checkpoint.failing`` event once per streak)."""
+        limit, failed = self.config.max_consecutive_failures, self.failed_in_a_row
+        if not limit or len(failed) < limit:
+            return None
+        committed = self.committed_steps()
+        line = (f"{len(failed)} checkpoint saves failed in a row (steps {', '.join(str(s) for s, _ in failed)}; "
+                f"last error: {failed[-1][1]}); last committed step: {committed[-1] if committed else 'none'} "
+                f"(checkpoint.max_consecutive_failures={limit})")
+        if self.config.on_save_failure == "stop":
+            return line
+        if len(failed) == limit:
+            log.warning("%s; training goes on (checkpoint.on_save_failure=warn)", line)
+            self.events.emit("checkpoint.failing", failed_steps=[s for s, _ in failed], reason=line)
+        return None
 
     def wait(self) -> None:
         """Block until the in-flight save (if any) is committed or has failed.
@@ -300,6 +325,7 @@ class CheckpointManager(CommittedCheckpoints):
             self._record_failure(step, tmp, exc, phase="persist")
             return
         self.last_committed = step
+        self._streak.clear()
         self.events.emit(
             "checkpoint.committed", step=step, path=str(final), persist_s=round(time.monotonic() - t0, 6), bytes=nbytes
         )
@@ -325,6 +351,7 @@ class CheckpointManager(CommittedCheckpoints):
         self.last_error = exc
         fields = _error_fields(exc)
         log.error("checkpoint save of step %d failed (%s): %s", step, phase, fields["error"])
+        self._streak.append((step, fields["error"] + (f" [{fields['errno']}]" if "errno" in fields else "")))
         self.events.emit("checkpoint.save_failed", step=step, phase=phase, **fields)
         if self._rank == 0:  # rank 0 owns the directory; peers are done with it (DCP failed everywhere)
             self.storage.remove_tree(tmp)
@@ -343,6 +370,7 @@ class CheckpointManager(CommittedCheckpoints):
             "id": token,
             "world_size": manifest["world_size"],
             "fingerprint": self.fingerprint,
+            "fingerprint_basis": self.fingerprint_basis,
             "ts": time.time(),
             "files": files,
         }

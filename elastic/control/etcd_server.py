@@ -195,8 +195,10 @@ class EmbeddedEtcd:
         while time.monotonic() < deadline:
             assert self.proc is not None
             if self.proc.poll() is not None:
+                cause = self.start_failure_cause()
                 raise EtcdServerError(
-                    f"etcd exited with code {self.proc.returncode} during start; see {self.log_path}"
+                    f"etcd (data dir {self.data_dir}) exited with code {self.proc.returncode} during start"
+                    + (f": {cause}" if cause else "") + f"; see {self.log_path}"
                 )
             try:
                 with urllib.request.urlopen(url, timeout=1, context=context) as resp:
@@ -206,6 +208,23 @@ class EmbeddedEtcd:
                 pass
             time.sleep(0.05)
         raise EtcdServerError(f"etcd on {self.endpoint} not healthy after {timeout}s; see {self.log_path}")
+
+    def start_failure_cause(self) -> str:
+        """etcd's own words for why it stopped: the last fatal/error line of its JSON log, or ""."""
+        import json
+
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        for line in reversed(lines):
+            try:
+                entry = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(entry, dict) and entry.get("level") in ("fatal", "panic", "error"):
+                return "; ".join(str(entry[k]) for k in ("msg", "error") if entry.get(k))
+        return ""
 
     def _ssl_context(self):
         if self.tls is None:

@@ -12,6 +12,15 @@ can be listed, inspected (``elastic status``) and cleaned up as one prefix range
     heartbeat/<node>           step, step time, epoch, on the node's lease
     excluded/<node>            exclusion record {reason, until, by, ts}
     failures/<node>/<ms>       one record per counted failure (lemon-node policy)
+    faults/<epoch>/<node>      one record per fault: the node that failed or was lost in that epoch
+                               (create-only, so the N agents that notice one fault write it once)
+    noticed/<epoch>/<gen>      {step, by, kind, ts}: the first agent to notice a fault in that epoch
+                               (generation ``gen`` of an in-process re-formation, 0 on the epoch path)
+                               and the step its workers stood at (create-only)
+    members/<node>             {state, ts}: the roster (no lease): "joined" while the node takes part,
+                               its final state once its agent left cleanly, "lost" once the leader
+                               found its lease expired
+    hangs/<epoch>/<node>       a stalled node's ranks: where each one is (hang attribution)
     diag/<node>                newest screen verdict
     admission/{token,fingerprint}
     checkpoint/latest          newest committed checkpoint (a hint; disk is the truth)
@@ -134,6 +143,32 @@ class RunKeys:
     @property
     def failures(self) -> str:
         return self._k("failures", "")
+
+    def fault(self, epoch: int, node_id: str) -> str:
+        return self._k("faults", str(epoch), node_id)
+
+    @property
+    def faults(self) -> str:
+        return self._k("faults", "")
+
+    def noticed(self, epoch: int, gen: int) -> str:
+        return self._k("noticed", str(epoch), str(gen))
+
+    def noticed_in(self, epoch: int) -> str:
+        return self._k("noticed", str(epoch), "")
+
+    def member(self, node_id: str) -> str:
+        return self._k("members", node_id)
+
+    @property
+    def members(self) -> str:
+        return self._k("members", "")
+
+    def hang(self, epoch: int, node_id: str) -> str:
+        return self._k("hangs", str(epoch), node_id)
+
+    def hangs(self, epoch: int) -> str:
+        return self._k("hangs", str(epoch), "")
 
     def diag(self, node_id: str) -> str:
         return self._k("diag", node_id)

@@ -15,6 +15,8 @@ every agent publishes under ``<run>/heartbeat/<node>``:
   step takes as long as the slowest one's.
 * lemon node: ``lemon_failures`` counted failures of one node within
   ``lemon_window_s`` (failure records under ``<run>/failures/<node>/``).
+* lost node: a node whose agent vanished (:mod:`elastic.control.membership`) gets one
+  ``run.fault`` record and a counted failure, so a node that keeps vanishing is a lemon too.
 
 Both can exclude the node (exclusion record with reason and expiry); the
 excluded node's agent sees it, stops and leaves, and the rest re-form
@@ -33,6 +35,7 @@ from typing import Callable, Literal
 from elastic.common.config import ConfigError
 from elastic.common.events import EventLog
 from elastic.control.generations import Generations
+from elastic.control.membership import LostNodes
 from elastic.control.runstate import RunState
 from elastic.control.store import KVStore, LeaseExpired, StoreError
 
@@ -206,6 +209,7 @@ class LeaderLoop:
         self.policy = policy
         self.events = events
         self.election = LeaderElection(state.store, state.keys.leader, node_id, config.ttl_s)
+        self.lost = LostNodes(state, node_id, events)
         self.is_leader = False
         self._members: tuple[int, set[str]] | None = None
         self._stop = threading.Event()
@@ -250,6 +254,7 @@ class LeaderLoop:
         beats = self.state.heartbeats(epoch=epoch)
         self.check_lost(epoch, set(beats))
         self.policy.evaluate_stragglers(beats)
+        self.lost.evaluate(self.state.nodes(), self.state.heartbeats())
         self.policy.evaluate_lemons(self.state.failures())
 
     def check_lost(self, epoch: int, members: set[str]) -> None:

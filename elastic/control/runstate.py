@@ -174,6 +174,46 @@ class RunState:
                 continue
         return out
 
+    # -- faults: one record per fault, whoever notices it first ------------------------
+    def record_fault(self, epoch: int, node_id: str, record: dict[str, Any]) -> bool:
+        """Record that ``node_id`` failed or was lost in ``epoch``; True only for the one caller that
+        created the record (create-only compare-and-swap), so one fault gives one run-level event."""
+        body = json.dumps({"epoch": epoch, "node": node_id, "ts": self.clock(), **record}, default=str)
+        ok, _ = self.store.compare_and_swap(self.keys.fault(epoch, node_id), body, 0)
+        return ok
+
+    def faults(self) -> list[dict[str, Any]]:
+        """Every fault record, oldest epoch first."""
+        return sorted(self._records(self.keys.faults).values(), key=lambda r: (r.get("epoch", 0), r.get("ts", 0)))
+
+    def notice_fault(self, epoch: int, step: int | None, by: str, kind: str, gen: int = 0) -> bool:
+        """The first agent to notice a fault in ``epoch`` (generation ``gen`` of an in-process
+        re-formation) records the step its workers stood at (create-only: the others' notices are
+        the same fault)."""
+        body = json.dumps({"epoch": epoch, "gen": gen, "step": step, "by": by, "kind": kind, "ts": self.clock()})
+        ok, _ = self.store.compare_and_swap(self.keys.noticed(epoch, gen), body, 0)
+        return ok
+
+    def noticed(self, epoch: int) -> dict[str, Any] | None:
+        """The newest fault noticed in ``epoch`` (its latest generation)."""
+        found = self._records(self.keys.noticed_in(epoch)).values()
+        return max(found, key=lambda r: int(r.get("gen", 0)), default=None)
+
+    def set_member(self, node_id: str, member_state: str) -> None:
+        """The roster entry of a node (no lease, so it outlives the agent): ``joined`` when it
+        registers, its final state when its agent leaves cleanly, ``lost`` when its lease expired."""
+        self._put(self.keys.member(node_id), {"state": member_state, "ts": self.clock()})
+
+    def members(self) -> dict[str, dict[str, Any]]:
+        return self._records(self.keys.members)
+
+    # -- hang attribution ------------------------------------------------------------
+    def put_hang(self, epoch: int, node_id: str, record: dict[str, Any]) -> None:
+        self._put(self.keys.hang(epoch, node_id), record)
+
+    def hangs(self, epoch: int) -> dict[str, dict[str, Any]]:
+        return self._records(self.keys.hangs(epoch))
+
     def put_diag(self, node_id: str, record: dict[str, Any] | str) -> None:
         value = record if isinstance(record, str) else json.dumps(record, default=str)
         self.store.put(self.keys.diag(node_id), value)

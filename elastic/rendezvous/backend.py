@@ -9,6 +9,14 @@ etcd 3.6 removed.  This module provides the v3 equivalent for torch's
   ``mod_revision``; ``set_state`` is one compare-and-swap transaction.
 * :func:`create_etcd3_handler` -- registered (via :mod:`elastic.rendezvous.plugin`) under the
   ``torchrun.handlers`` entry point as ``etcd3-state``.
+* :class:`Etcd3RendezvousHandler` -- torch's dynamic handler, except that the workers of each
+  round get a store of their own instead of sharing the torchrun agent's TCPStore.  With the
+  shared store, torchrun's ``--max-restarts`` recovery fails (measured: two loopback nodes, one
+  worker killed): the agent keeps one TCPStore server for every round, while the workers assume a
+  new one per retry and use no per-attempt prefix, so restarted gloo workers read the previous
+  attempt's addresses (``connectFullMesh failed ... Connection refused``, or a hang).  torch
+  offers the fix only as ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``; the handler decides it for its
+  own rounds, so plain torchrun needs no variable (the ``etcd3`` barrier handler decides the same).
 
 When to use it: never for more than a few dozen nodes.  Every participant rewrites the one
 state key (joins and every keep-alive), so conflicts grow with the square of the node count
@@ -36,15 +44,26 @@ from __future__ import annotations
 
 import base64
 import binascii
+import os
 import random
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+
 from torch.distributed.elastic.rendezvous import (
     RendezvousConnectionError,
     RendezvousHandler,
+    RendezvousInfo,
     RendezvousParameters,
     RendezvousStateError,
 )
-from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend, Token, create_handler
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+    DynamicRendezvousHandler,
+    RendezvousBackend,
+    RendezvousTimeout,
+    Token,
+)
 
 from elastic.control.etcd_security import EtcdSecurity
 from elastic.control.keys import DEFAULT_KEY_PREFIX, STATE_BACKEND_NAME, RunKeys
@@ -160,10 +179,52 @@ def store_from_params(params: RendezvousParameters) -> EtcdStore:
         raise ValueError(f"--rdzv-endpoint: {exc}") from None
 
 
+_SHARE_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+
+
+@contextmanager
+def _own_worker_store() -> Iterator[None]:
+    """torch reads its choice between the shared and an own worker store from this variable only."""
+    before = os.environ.get(_SHARE_STORE_ENV)
+    os.environ[_SHARE_STORE_ENV] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(_SHARE_STORE_ENV, None)
+        else:
+            os.environ[_SHARE_STORE_ENV] = before
+
+
+class Etcd3RendezvousHandler(DynamicRendezvousHandler):
+    """torch's dynamic handler whose workers get a store of their own each round (module docstring)."""
+
+    @property
+    def use_agent_store(self) -> bool:
+        return False
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        # Rank 0's address and a free port for this round's worker store, read fresh by every
+        # node (never an earlier round's cached address); worker rank 0 hosts the store.
+        with _own_worker_store():
+            return super().next_rendezvous()
+
+
+def _timeouts(params: RendezvousParameters) -> RendezvousTimeout:
+    def seconds(name: str) -> timedelta | None:
+        value = params.get_as_int(f"{name}_timeout")
+        return timedelta(seconds=value) if value is not None else None
+
+    return RendezvousTimeout(seconds("join"), seconds("last_call"), seconds("close"), seconds("heartbeat"))
+
+
 def create_etcd3_handler(params: RendezvousParameters) -> RendezvousHandler:
     """Creator registered with torchrun as ``etcd3-state``: DynamicRendezvousHandler over one state key."""
     key_prefix = params.get("key_prefix", DEFAULT_KEY_PREFIX) or DEFAULT_KEY_PREFIX
     store = store_from_params(params)
     backend = Etcd3RendezvousBackend(store, params.run_id, key_prefix)
     c10d_store = EtcdC10dStore(store, RunKeys.of(key_prefix, params.run_id).c10d_store)
-    return create_handler(c10d_store, backend, params)
+    return Etcd3RendezvousHandler.from_backend(
+        params.run_id, c10d_store, backend, params.min_nodes, params.max_nodes, params.local_addr, _timeouts(params),
+        keep_alive_interval=params.get_as_int("keep_alive_interval", 5) or 5,
+        keep_alive_max_attempt=params.get_as_int("keep_alive_max_attempt", 3) or 3)

@@ -16,7 +16,12 @@ on a round-done key); the protocol of one round is in :mod:`elastic.rendezvous.r
 * ``set_closed()`` / ``shutdown()`` close the whole rendezvous, as torch's do: later joins raise
   ``RendezvousClosedError``, and nodes waiting in the open round are woken with it;
 * the store handed to torchrun is :class:`~elastic.rendezvous.c10d_store.EtcdC10dStore`, one
-  prefix per round, whose counters have no hot key either.
+  prefix per round, whose counters have no hot key either;
+* each round's workers get a store of their own (``use_agent_store`` is False: worker rank 0
+  hosts it on the port its node picked when joining).  torch's default, one agent TCPStore
+  shared by every round, breaks torchrun's own ``--max-restarts`` for gloo workers (restarted
+  workers read the previous attempt's addresses; see :mod:`elastic.rendezvous.backend`), and
+  torch offers the fix only as ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: this handler needs none.
 
 ``--rdzv-conf`` keys: torch's ``join_timeout``, ``last_call_timeout``, ``close_timeout``,
 ``keep_alive_interval``, ``keep_alive_max_attempt`` (``heartbeat_timeout`` is accepted and
@@ -36,7 +41,6 @@ import time
 import weakref
 from dataclasses import dataclass
 
-import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import (
     RendezvousConnectionError,
     RendezvousError,
@@ -112,7 +116,6 @@ class BarrierRendezvousHandler(RendezvousHandler):
         self._lock = threading.Lock()
         self._round: RoundRecord | None = None
         self._waiting: _NextRoundWatch | None = None
-        self._tcp_server: dist.TCPStore | None = None  # rank 0's shared store (use_agent_store)
         atexit.register(_release_at_exit, weakref.ref(self))
 
     # -- torch API -----------------------------------------------------------------
@@ -124,7 +127,7 @@ class BarrierRendezvousHandler(RendezvousHandler):
 
     @property
     def use_agent_store(self) -> bool:
-        return os.getenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "0") != "1"
+        return False  # workers' own store each round (module docstring)
 
     @property
     def round(self) -> int | None:
@@ -141,7 +144,8 @@ class BarrierRendezvousHandler(RendezvousHandler):
         self._round = record
         rank = record.nodes.index(self._node().node_id)
         store = EtcdC10dStore(self._store, self._keys.c10d_round(record.round))
-        return RendezvousInfo(store, rank, len(record.nodes), self._bootstrap(record, rank))
+        return RendezvousInfo(store, rank, len(record.nodes),
+                              RendezvousStoreInfo(record.master_addr, record.master_port))
 
     def is_closed(self) -> bool:
         return self._guard(lambda: self._store.get(self._keys.rdzv_closed) is not None)
@@ -211,21 +215,6 @@ class BarrierRendezvousHandler(RendezvousHandler):
             if self._lease is None or self._lease.lost.is_set():
                 self._lease = LeaseKeeper(self._store, self._settings.lease_ttl_s)
             return self._lease
-
-    def _bootstrap(self, record: RoundRecord, rank: int) -> RendezvousStoreInfo:
-        """Where the workers' store lives: rank 0's address and its pre-picked port, or -- when the
-        agent shares its store (torch's default) -- a TCPStore that rank 0 hosts and announces."""
-        if not self.use_agent_store:
-            return RendezvousStoreInfo(record.master_addr, record.master_port)
-        key = self._keys.rdzv_ctl(record.round, "master")
-        if rank == 0:
-            if self._tcp_server is None:
-                self._tcp_server = dist.TCPStore(self._addr, 0, is_master=True, multi_tenant=True)
-            self._guard(lambda: self._store.put(key, f"{self._addr}:{self._tcp_server.port}"))
-        wait_s = max(self._settings.join_timeout_s, 1.0)
-        text = self._guard(lambda: self._store.wait_for_key(key, wait_s)).value.decode()
-        addr, _, port = text.rpartition(":")
-        return RendezvousStoreInfo(addr, int(port))
 
     # -- teardown ----------------------------------------------------------------------
     def _stop_waiting(self) -> None:

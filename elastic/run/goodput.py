@@ -8,7 +8,9 @@ took.  The rest of the wall time is broken down as
   startup      launcher start -> first step of the run begins
   recovery     last step before a failure -> first step of the restarted
                workers begins (detection, teardown, rendezvous, process
-               start, checkpoint load)
+               start, checkpoint load); when no step followed (the run gave
+               up, e.g. a fixed-size run waiting for a lost node), until the
+               agents gave up or the run ended
   checkpoint   time training was blocked in checkpoint saves (staging for
                async saves; the whole save for synchronous ones)
   lost         step time of steps that were later redone
@@ -57,6 +59,7 @@ def compute_goodput(events: list[dict[str, Any]]) -> dict[str, Any]:
         if before and after:
             gaps.add((before[-1]["ts"], after[0]["ts"] - after[0]["step_time"]))
     recovery = sum(max(hi - lo, 0.0) for lo, hi in gaps)
+    recovery += _unrecovered(events, steps, t_end)
 
     # Checkpoint time blocking training; a save inside a recovery gap (the last one before a
     # failure) is already part of that gap and is not counted twice.
@@ -87,6 +90,25 @@ def _outside(lo: float, hi: float, gaps: set[tuple[float, float]]) -> float:
     """Length of [lo, hi] not covered by any of the (disjoint) ``gaps``."""
     covered = sum(max(min(hi, g_hi) - max(lo, g_lo), 0.0) for g_lo, g_hi in gaps)
     return max(hi - lo - covered, 0.0)
+
+
+_FAILURE_KINDS = ("agent.restart", "agent.hang_detected", "agent.torchrun_exit")
+
+
+def _unrecovered(events: list[dict[str, Any]], steps: list[dict[str, Any]], t_end: float) -> float:
+    """A failure after the last step that no step followed: the time from that step until the agents
+    gave up (or the run ended) was spent trying to recover."""
+    if not steps:
+        return 0.0
+    last = steps[-1]["ts"]
+    after = [e for e in events if e["ts"] > last]
+    if any(e["kind"] == "trainer.done" for e in after):
+        return 0.0
+    failed = [e for e in after if e["kind"] in _FAILURE_KINDS and (e["kind"] != "agent.torchrun_exit" or e.get("rc"))]
+    if not failed:
+        return 0.0
+    gave_up = [e["ts"] for e in after if e["kind"] == "agent.state" and e.get("state") in ("GAVE_UP", "STOPPED")]
+    return (max(gave_up) if gave_up else t_end) - last
 
 
 def _reference_source(events: list[dict[str, Any]]) -> str:

@@ -206,10 +206,34 @@ class RunConfig:
     def run_dir(self) -> Path:
         return Path(self.run.dir or f"runs/{self.run.id}")
 
+    def fingerprint_basis(self) -> dict[str, Any]:
+        """What the checkpoint fingerprint hashes: exactly what changes the meaning of saved state.
+
+        The workload and its ``trainer`` section, minus the fields its config class lists in
+        ``checkpoint_neutral_fields`` (run length, pacing, logging: a run extended with more
+        steps resumes its checkpoints).  Restart budgets, timeouts, paths and the world layout
+        are left out too: the loader reshards to any world size.  A custom entrypoint's section
+        is opaque, so all of it counts.  Stored in each COMMIT marker, so a loader that rejects
+        a checkpoint can name the fields that differ.
+        """
+        workload = self.workload()
+        trainer = to_dict(self.trainer)
+        for path in getattr(type(self.trainer), "checkpoint_neutral_fields", ()):
+            _drop_path(trainer, path)
+        return {"workload": workload.name if workload is not None else list(self.launch.entrypoint),
+                "trainer": trainer}
+
     def compute_fingerprint(self) -> str:
-        # Only what changes the meaning of saved state: the trainer section and world layout.
-        # Restart budgets, timeouts and paths may change between restarts of the same run.
-        return config_hash({"trainer": to_dict(self.trainer), "nproc_per_node": self.launch.nproc_per_node})
+        return config_hash(self.fingerprint_basis())
+
+
+def _drop_path(tree: dict[str, Any], dotted: str) -> None:
+    *parents, leaf = dotted.split(".")
+    for part in parents:
+        tree = tree.get(part) if isinstance(tree, dict) else None
+        if not isinstance(tree, dict):
+            return
+    tree.pop(leaf, None)
 
 
 def read_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:

@@ -31,7 +31,10 @@ class Workload:
     entry: str
     """Module torchrun runs (``python -m <entry> --config FILE --run-dir DIR``)."""
     config_class: type
-    """Dataclass of the run config's ``trainer`` section."""
+    """Dataclass of the run config's ``trainer`` section.  It may name, in a class attribute
+    ``checkpoint_neutral_fields`` (frozenset of dotted paths), the fields that do not change the
+    meaning of saved state (run length, pacing, logging); they stay out of the checkpoint
+    fingerprint (:meth:`elastic.run.schema.RunConfig.fingerprint_basis`)."""
     replica_entry: str = ""
     """Module that speaks torchft, run instead of ``entry`` when ``replicas.enabled``."""
     inprocess: bool = False

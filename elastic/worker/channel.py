@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from elastic.common.env import AGENT_ADDR_ENV, INPROCESS_ENV, SKIP_STEPS_ENV
-from elastic.common.exits import EXIT_NUMERICS  # noqa: F401  (re-exported: trainers import it from here)
+from elastic.common.exits import EXIT_CHECKPOINT, EXIT_CONFIG, EXIT_NUMERICS  # noqa: F401  (re-exported)
 from elastic.common.procs import set_parent_death_signal
 
 

@@ -7,6 +7,7 @@ writes the same files on the target node)::
     {"kind": "nan_loss",  "rank": 1, "step": 12}
     {"kind": "straggle",  "rank": 0, "from_step": 5, "to_step": 30, "delay_s": 0.5}
     {"kind": "hang",      "rank": 2, "step": 8}            # SIGSTOP itself at that step
+    {"kind": "block",     "rank": 2, "step": 8, "duration_s": 600}  # asleep outside any collective
     {"kind": "exit",      "rank": 1, "step": 9, "code": 1}  # die with an exit code (crash)
     {"kind": "ckpt_write_error", "step": 10}               # the checkpoint writer raises ENOSPC
     {"kind": "snapshot_kill", "rank": 1, "step": 12}       # SIGKILL itself halfway through the step's snapshot push
@@ -37,7 +38,7 @@ from elastic.common.env import NODE_ID_ENV
 
 FAULTS_DIR = "faults"
 ONCE_BY_DEFAULT = {"nan_loss": True, "hang": True, "exit": True, "ckpt_write_error": True, "straggle": False,
-                   "snapshot_kill": True}
+                   "snapshot_kill": True, "block": True}
 KINDS = frozenset(ONCE_BY_DEFAULT)
 
 
@@ -148,6 +149,11 @@ class FaultHooks:
         for fault in self._matching("hang", step):
             self._fire(fault, step)
             os.kill(os.getpid(), signal.SIGSTOP)
+        for fault in self._matching("block", step):
+            # Alive and asleep (like a worker stuck in I/O or on a lock): /proc cannot tell it from
+            # a rank waiting on its peers; only where it sleeps can (elastic.agent.hangs).
+            self._fire(fault, step)
+            time.sleep(float(fault.spec.get("duration_s", 3600)))
 
     def loss(self, step: int, value: Any) -> Any:
         """The loss, or NaN of the same type where a nan_loss fault says so."""

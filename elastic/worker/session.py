@@ -12,6 +12,8 @@ process, and calls ``train(session)`` inside a :class:`WorkerSession`:
   TensorBoard scalars;
 * checkpoints: a :class:`~elastic.checkpoint.manager.CheckpointManager` on a gloo group of its
   own (its collectives must never interleave with the model's), publishing commits to etcd;
+* hang attribution: Python stacks on SIGUSR1 and the sync point marked as a collective
+  (:mod:`elastic.worker.hangprobe`), read by the agents when the run stalls;
 * faults: every in-worker fault comes through one channel, the run's fault files
   (:mod:`elastic.worker.faults`): step hooks, the NaN loss, and checkpoint-write errors through
   the storage wrapper handed to the checkpoint manager;
@@ -37,7 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from elastic.checkpoint.manager import CheckpointManager
+from elastic.checkpoint.manager import CheckpointManager, CheckpointMismatch
 from elastic.checkpoint.publish import publisher_from_env
 from elastic.checkpoint.storage import FaultInjectingStorage, LocalStorage
 from elastic.common.collectives import backend_for, check_device
@@ -46,15 +48,15 @@ from elastic.common.env import EPOCH_ENV, NODE_ID_ENV, PG_TIMEOUT_ENV
 from elastic.common.events import EventLog
 from elastic.common.exits import EXIT_SCREEN_FAILED
 from elastic.run.schema import RunConfig, load_run_file
-from elastic.worker.channel import EXIT_NUMERICS, WorkerContext, skip_steps
+from elastic.worker.channel import EXIT_CHECKPOINT, EXIT_CONFIG, EXIT_NUMERICS, WorkerContext, skip_steps
 from elastic.worker.checksum import param_checksum, publish_checksum
 from elastic.worker.determinism import set_deterministic
 from elastic.worker.faults import FaultHooks
+from elastic.worker.hangprobe import HangProbe
 from elastic.worker.inprocess import EXIT_RECOVERY_FAILED, InProcess, is_peer_failure, wait_for_agent
 from elastic.worker.scalars import ScalarLog
 from elastic.worker.screen import BackgroundScreen
 
-EXIT_CONFIG = 2
 
 
 class StopTraining(Exception):
@@ -88,6 +90,13 @@ class ScreenFailed(StopTraining):
 
     code = EXIT_SCREEN_FAILED
     label = "node screen failed"
+
+
+class SavesFailing(StopTraining):
+    """Checkpoint saves kept failing and ``checkpoint.on_save_failure`` is stop: the agents stop the run."""
+
+    code = EXIT_CHECKPOINT
+    label = "checkpoint.on_save_failure=stop"
 
 
 class Trainable(Protocol):
@@ -174,6 +183,7 @@ class WorkerSession:
         self.agent = WorkerContext.from_env(run_dir)
         self.agent.rank, self.agent.world_size = rank, world  # this generation's (a spare's come from its plan)
         self.hooks = FaultHooks(run_dir, rank, self.events)
+        self.probe = HangProbe(run_dir, self.epoch, name)
         self.scalars = ScalarLog(cfg.tensorboard, run_dir, rank)
         self.skip = skip_steps()
         self.checkpoints = checkpoints
@@ -190,6 +200,7 @@ class WorkerSession:
         self._sync = torch.zeros(1, device=device)
         self._t0 = 0.0
         self._wait = 0.0
+        self._step = 0
 
     @classmethod
     @contextmanager
@@ -217,8 +228,9 @@ class WorkerSession:
         # FSDP's collectives on the default group (measured crash otherwise).
         group = dist.new_group(backend="gloo")
         storage = FaultInjectingStorage(LocalStorage(), self.hooks.checkpoint_write_fails)
+        basis = self.cfg.fingerprint_basis() if self.cfg.fingerprint else None
         return CheckpointManager(self.cfg.checkpoint, root, self.cfg.fingerprint, self.events, group,
-                                 publisher=publisher_from_env(), storage=storage)
+                                 publisher=publisher_from_env(), storage=storage, fingerprint_basis=basis)
 
     # -- start ------------------------------------------------------------------
     def resume(self, state: dict[str, Any]) -> tuple[int, dict[str, Any]] | None:
@@ -238,6 +250,7 @@ class WorkerSession:
     def begin_step(self, step: int) -> None:
         """Start timing ``step`` and fire its step faults (straggle, hang, crash)."""
         self._t0 = time.monotonic()
+        self._step = step
         if self.inproc is not None:
             self.inproc.before_collectives()
         self.hooks.before_step(step)
@@ -245,7 +258,8 @@ class WorkerSession:
     def sync_point(self) -> None:
         """The step's sync point: time spent here is waiting for slower peers, not work (busy time)."""
         t_sync = time.monotonic()
-        dist.all_reduce(check_device(self._sync))
+        with self.probe.collective("sync", self._step):
+            dist.all_reduce(check_device(self._sync))
         self._wait = time.monotonic() - t_sync
 
     def skip_step(self, step: int) -> bool:
@@ -275,6 +289,9 @@ class WorkerSession:
         """Save on the checkpoint interval and at the last step (commits in the background)."""
         if self.ckpt is not None and (self.ckpt.should_save(step) or step == last):
             self.ckpt.save(step, state, extra=extra)
+            failing = self.ckpt.failing()  # agreed by every rank in save(): all of them stop together
+            if failing is not None:
+                raise SavesFailing(failing)
 
     # -- the loop ---------------------------------------------------------------------------
     def train(self, build: Callable[[WorkerSession], Trainable]) -> str:
@@ -373,6 +390,7 @@ class WorkerSession:
         self.scalars.close()
         if dist.is_initialized():
             dist.destroy_process_group()
+        self.probe.close()
         self.events.close()
 
 
@@ -412,5 +430,8 @@ def run_worker(prog: str, trainer_class: type | None, train: Callable[[WorkerSes
         return exc.code
     except ConfigError as exc:
         print(f"trainer: config error: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    except CheckpointMismatch as exc:  # another config's progress: stop, never train over it from 0
+        print(f"trainer: checkpoint mismatch: {exc}", file=sys.stderr, flush=True)
         return EXIT_CONFIG
     return 0
