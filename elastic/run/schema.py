@@ -195,7 +195,9 @@ class RunConfig:
                  ("replicas.quorum_timeout_s", self.replicas.quorum_timeout_s),
                  ("replicas.timeout_s", self.replicas.timeout_s),
                  ("agent.heartbeat.step_timeout_s", self.agent.heartbeat.step_timeout_s)]
-        for (low, low_s), (high, high_s) in zip(rungs, rungs[1:]):
+        # Beside the ladder: a quorum may also wait join_timeout_ms for a straggler before it forms.
+        pairs = [*zip(rungs, rungs[1:]), (("replicas.join_timeout_ms", self.replicas.join_timeout_ms / 1000.0), rungs[1])]
+        for (low, low_s), (high, high_s) in pairs:
             if not low_s < high_s:
                 raise ConfigError(low, f"must be below {high} ({low_s:g} s >= {high_s:g} s; replica-group "
                                        f"timeouts must rise: heartbeat < quorum < collective < hang)")
