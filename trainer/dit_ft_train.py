@@ -58,6 +58,7 @@ from trainer.replica import (
     first_quorum_timeout,
     flat_allreduce,
     grads_of,
+    release_peers,
     replica_group,
 )
 
@@ -143,6 +144,7 @@ class ReplicaDiTRun(DiTRun):
         loss, norm = self.forward_backward(step, indices, weight)
         self.session.waited(self.sync_s)
         if self.manager.errored():
+            release_peers(self.manager)
             return Verdict("skip", "peer lost during the step"), loss, norm  # not committed: undone
         verdict = self.guard.check(loss, norm)
         if verdict.action == "rollback":

@@ -36,7 +36,16 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from elastic.worker.session import WorkerSession, run_worker
 from trainer.minimal_config import MLPTrainerConfig
-from trainer.replica import RunFinished, build_manager, exit_now, flat_allreduce, grads_of, install_fsdp_hook, replica_group
+from trainer.replica import (
+    RunFinished,
+    build_manager,
+    exit_now,
+    flat_allreduce,
+    grads_of,
+    install_fsdp_hook,
+    release_peers,
+    replica_group,
+)
 from trainer.train import batch_for, build_model, shard_model
 
 
@@ -113,6 +122,8 @@ def train_steps(session: WorkerSession, cfg: MLPTrainerConfig, model: nn.Module,
         t_sync = time.monotonic()
         if world == 1:
             flat_allreduce(manager, grads_of(params))
+        if manager.errored():
+            release_peers(manager)
         optim.step()  # commits (and steps the inner optimizer) only if the whole quorum votes yes
         wait = t_quorum + time.monotonic() - t_sync
         step_time = time.monotonic() - t0

@@ -85,6 +85,23 @@ def flat_allreduce(manager: Any, tensors: list[torch.Tensor]) -> None:
         offset += t.numel()
 
 
+def release_peers(manager: Any) -> None:
+    """After a failed cross-group collective: drop this group's torchft process group at once.
+
+    In a ring of four or more groups, a survivor that is not a neighbour of the dead group does not
+    see the failure: it waits on a live neighbour that has already given up.  It would wait until
+    that neighbour's next quorum reconfigures (after the Lighthouse's join timeout, since the waiting
+    group still heartbeats) or its own collective timeout.  Dropping the failed process group now
+    closes this group's connections, so its neighbours fail too, and every survivor is in the next
+    quorum within a heartbeat timeout.  The next quorum configures a fresh process group anyway."""
+    import gc
+
+    pg = getattr(manager, "_pg", None)
+    if pg is not None and hasattr(pg, "abort"):
+        pg.abort()
+        gc.collect()  # the gloo context closes its pairs when the last reference goes
+
+
 def grads_of(params: list[nn.Parameter]) -> list[torch.Tensor]:
     return [p.grad for p in params if p.grad is not None]
 
