@@ -25,7 +25,7 @@ Measured per mode, from the trainers' event logs:
                    replicas, whose survivors train some steps with fewer groups)
   goodput          steps of the final trajectory x the median step time, over the wall time
   wall_s           launch -> every process exited
-Top level: ``ratio_inprocess_vs_torchrun_c10d`` (recovery_s), ``snapshot_step_ratio`` (median step time
+Top level: ``ratio_inprocess_vs_torchrun_c10d`` and ``ratio_replicas_vs_torchrun_c10d`` (recovery_s), ``snapshot_step_ratio`` (median step time
 with per-step snapshots (inprocess, fault-free) over without (runtime_ckpt, fault-free)), the load
 average before and after.  Prints one JSON object; ``--json PATH`` writes it too.
 """
@@ -253,6 +253,9 @@ def ratios(results: dict[str, dict]) -> dict:
     a, i, r = results.get("torchrun_c10d"), results.get("inprocess"), results.get("runtime_ckpt")
     if a and i and a.get("recovery_s") and i.get("recovery_s"):
         out["ratio_inprocess_vs_torchrun_c10d"] = round(i["recovery_s"] / a["recovery_s"], 3)
+    replicas = results.get("replicas")
+    if a and replicas and a.get("recovery_s") and replicas.get("recovery_s"):
+        out["ratio_replicas_vs_torchrun_c10d"] = round(replicas["recovery_s"] / a["recovery_s"], 3)
     if i and r and r["fault_free"]["median_step_s"]:
         out["snapshot_step_ratio"] = round(i["fault_free"]["median_step_s"] / r["fault_free"]["median_step_s"], 3)
     return out

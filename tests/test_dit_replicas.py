@@ -80,7 +80,8 @@ def test_dit_runs_its_torchft_entry_and_the_timeout_ladder_is_enforced():
             {"replicas": {"heartbeat_timeout_ms": 6000}},
         "replicas.quorum_timeout_s: must be below replicas.timeout_s": {"replicas": {"quorum_timeout_s": 10}},
         "replicas.join_timeout_ms: must be below replicas.quorum_timeout_s": {"replicas": {"join_timeout_ms": 5000}},
-        "replicas.timeout_s: must be below agent.heartbeat.step_timeout_s": {"agent": {"heartbeat": {"step_timeout_s": 8}}},
+        "replicas.timeout_s: must be below agent.heartbeat.step_timeout_s":
+            {"agent": {"heartbeat": {"step_timeout_s": 8}}},
     }
     for message, sections in cases.items():
         with pytest.raises(ConfigError, match="^" + message.replace(".", r"\.")) as err:
@@ -235,7 +236,8 @@ def test_all_groups_killed_resume_from_disk_bitwise(tmp_path, subprocess_env):
     assert sorted(e["replica_group"] for e in starts) == ["node0", "node1"]
     assert all(e["resumed"] and e["step"] == newest == e["ft_step"] for e in starts), (newest, starts)
     assert not [e for e in events if e["kind"] == "trainer.healed" and e["ts"] > kill_ts]  # from disk, not a peer
-    assert _checksums(fault_dir / "run", 2) == _checksums(clean_dir / "run", 2) and len(_checksums(clean_dir / "run", 2)) == 1
+    clean_sums = _checksums(clean_dir / "run", 2)
+    assert len(clean_sums) == 1 and _checksums(fault_dir / "run", 2) == clean_sums
     _check_data_order(events, 2)
 
 

@@ -196,7 +196,8 @@ class RunConfig:
                  ("replicas.timeout_s", self.replicas.timeout_s),
                  ("agent.heartbeat.step_timeout_s", self.agent.heartbeat.step_timeout_s)]
         # Beside the ladder: a quorum may also wait join_timeout_ms for a straggler before it forms.
-        pairs = [*zip(rungs, rungs[1:]), (("replicas.join_timeout_ms", self.replicas.join_timeout_ms / 1000.0), rungs[1])]
+        join = ("replicas.join_timeout_ms", self.replicas.join_timeout_ms / 1000.0)
+        pairs = [*zip(rungs, rungs[1:]), (join, rungs[1])]
         for (low, low_s), (high, high_s) in pairs:
             if not low_s < high_s:
                 raise ConfigError(low, f"must be below {high} ({low_s:g} s >= {high_s:g} s; replica-group "
