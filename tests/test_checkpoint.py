@@ -246,6 +246,28 @@ def test_stale_tmp_dirs_removed_at_start(tmp_path):
     mgr.close()
 
 
+def test_owned_manager_removes_only_its_own_stale_dirs(tmp_path):
+    # Replica groups share a root: a group that starts must not remove a peer's save in progress.
+    root = tmp_path / "ckpt"
+    names = [".step-00000009.tmp-deadbeef-node1", ".step-00000009.tmp-deadbeef-node10",
+             ".step-00000009.tmp-deadbeef-x-node1", ".step-00000008.old-cafef00d-node1", ".step-00000009.tmp-deadbeef"]
+    for name in names:
+        (root / name).mkdir(parents=True)
+    events = EventLog(tmp_path / "events.jsonl", "t")
+    mgr = CheckpointManager(CheckpointConfig(interval_steps=1), root, "fp", events, owner="node1")
+    assert sorted(p.name for p in root.iterdir()) == sorted(names[1:3] + names[4:])
+    model, optim = _trained()
+    mgr.save(3, _state(model, optim))
+    mgr.wait()
+    assert (root / "step-00000003").is_dir() and mgr.last_committed == 3
+    (start,) = [e for e in read_events([tmp_path / "events.jsonl"]) if e["kind"] == "checkpoint.save_start"]
+    assert start["path"].endswith("-node1")  # its own save in progress carries its name
+    mgr.close()
+    plain, _ = _manager(tmp_path)  # one writer per root (normal mode): every stale directory goes
+    assert sorted(p.name for p in root.iterdir()) == ["step-00000003"]
+    plain.close()
+
+
 def test_etcd_publisher_and_env(etcd_endpoint, tmp_path):
     store = EtcdStore(etcd_endpoint)
     prefix = "/elastic/runs/r1"

@@ -33,6 +33,7 @@ from elastic.control.keys import RunKeys
 from elastic.control.runstate import RunState
 from elastic.control.store import EtcdStore
 from elastic.run.schema import RunConfig
+from trainer.minimal_config import MLPTrainerConfig
 from tests.launch_helpers import start_launcher, wait_for_event, write_run_config
 
 
@@ -43,10 +44,15 @@ def _replica_run(**fields) -> RunConfig:
     return cfg
 
 
-def test_replica_config_errors_name_the_field():
+def test_replica_config_errors_name_the_field(monkeypatch):
+    from elastic.run import workloads
+
     assert _replica_run(**{"replicas.enabled": True}).replicas.enabled
-    with pytest.raises(ConfigError, match=r"^launch\.workload: 'dit' has no torchft support"):
-        from_dict(RunConfig, {"launch": {"workload": "dit"}, "replicas": {"enabled": True}})
+    plain = workloads.Workload(name="plain", entry="trainer.train", config_class=MLPTrainerConfig)
+    registered = {**workloads.available(), "plain": plain}  # a workload without a torchft entry point
+    monkeypatch.setattr(workloads, "available", lambda: registered)
+    with pytest.raises(ConfigError, match=r"^launch\.workload: 'plain' has no torchft support"):
+        from_dict(RunConfig, {"launch": {"workload": "plain"}, "replicas": {"enabled": True}})
     with pytest.raises(ConfigError, match=r"^replicas\.min_replicas: 3 exceeds the 2 replica groups"):
         _replica_run(**{"replicas.enabled": True, "replicas.min_replicas": 3})
     with pytest.raises(ConfigError, match=r"^replicas\.heartbeat_timeout_ms: must be >= 1$"):
@@ -116,7 +122,7 @@ def test_agent_in_replica_mode_never_bumps_the_epoch(etcd_endpoint, tmp_path):
 
 
 def test_late_group_stops_when_the_run_is_finished(etcd_endpoint, monkeypatch):
-    from trainer.ft_train import RunFinished
+    from trainer.replica import RunFinished
 
     monkeypatch.setenv("ELASTIC_ETCD_ENDPOINT", etcd_endpoint)
     monkeypatch.setenv("ELASTIC_RUN_PREFIX", "/t/runs/r")

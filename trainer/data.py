@@ -21,6 +21,23 @@ permutation; data-parallel rank r of dp takes the r-th contiguous slice.  The
 position is the same on every rank and is saved in checkpoints, so a resume -
 at any dp size that divides the global batch - continues with exactly the next
 unseen samples.
+
+Replica-group mode (torchft, :mod:`trainer.dit_ft_train`) keeps that order and changes only
+who takes which part of a batch:
+
+* **Committed step s trains on the s-th global batch** of the same sequence (skipped batches
+  included: a step dropped by the numerics guard still consumes its batch), whatever the
+  number of groups.  The position moves only when a step commits: a step attempt that does
+  not commit (a group died during it) puts the position back, and the next attempt trains the
+  same global batch again with the new quorum.  So a group dropping out, or coming back, never
+  skips or repeats a sample; it changes only how a batch is split, and with it the
+  floating-point reduction order.
+* **Split at the quorum of that attempt**: with G groups in the quorum, the group of quorum rank
+  g takes the g-th of G contiguous parts (:func:`part_bounds`: sizes differ by at most one), and
+  its dp ranks split that part the same way (:meth:`GlobalSampler.group_slice`).  When G * dp
+  divides the batch this is exactly the plain trainer's split over G * dp ranks; otherwise each
+  rank's loss is weighted by its share, so the average over ranks and groups is still the mean
+  over the global batch.  Quorum ranks follow torchft's order of the group ids.
 """
 
 from __future__ import annotations
@@ -230,6 +247,22 @@ class GlobalSampler:
         per_rank = len(global_batch) // dp
         return global_batch[dp_rank * per_rank : (dp_rank + 1) * per_rank]
 
+    @staticmethod
+    def group_slice(global_batch: list[int], group: int, groups: int, dp_rank: int, dp: int
+                    ) -> tuple[list[int], float, tuple[int, int]]:
+        """Replica-group mode: (this rank's indices, its loss weight, its group's [lo, hi) of the batch).
+
+        The weight makes unequal parts average to the global mean: a rank holding k of n samples
+        among dp ranks and G groups weighs k * dp * G / n (exactly 1.0 when the parts are equal)."""
+        n = len(global_batch)
+        if n < groups * dp:
+            raise ValueError(f"a global batch of {n} cannot feed {groups} groups x {dp} dp ranks")
+        lo, hi = part_bounds(n, group, groups)
+        r_lo, r_hi = part_bounds(hi - lo, dp_rank, dp)
+        mine = global_batch[lo + r_lo : lo + r_hi]
+        share = len(mine) * dp * groups
+        return mine, 1.0 if share == n else share / n, (lo, hi)
+
     @property
     def samples_seen(self) -> int:
         return self.epoch * self.num_samples + self.consumed
@@ -242,6 +275,13 @@ class GlobalSampler:
             raise ValueError(f"checkpoint sampler covers {state['num_samples']} samples, dataset has {self.num_samples}")
         self.epoch = int(state["epoch"])
         self.consumed = int(state["consumed"])
+
+
+def part_bounds(n: int, part: int, parts: int) -> tuple[int, int]:
+    """[lo, hi) of part ``part`` when n items are cut into ``parts`` contiguous, near-equal parts."""
+    if not 0 <= part < parts:
+        raise ValueError(f"part {part} of {parts}")
+    return part * n // parts, (part + 1) * n // parts
 
 
 def collate(dataset: Any, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:

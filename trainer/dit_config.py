@@ -299,3 +299,12 @@ class DiTTrainerConfig:
         if self.global_batch_size % dp:
             raise ConfigError("global_batch_size", f"must be divisible by dp {dp} (world size {world_size})")
         return dp, cp
+
+    def check_replica_groups(self, group_size: int, max_groups: int) -> tuple[int, int]:
+        """Replica-group mode: (dp, cp) inside a group of ``group_size`` ranks; every rank of up to
+        ``max_groups`` groups must get a sample of the global batch (parts may be unequal)."""
+        dp, cp = self.check_world(group_size)
+        if self.global_batch_size < max_groups * dp:
+            raise ConfigError("global_batch_size", f"must be >= {max_groups * dp}: {max_groups} replica groups "
+                                                   f"x dp {dp} ranks each need at least one sample")
+        return dp, cp

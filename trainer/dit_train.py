@@ -185,7 +185,7 @@ class DiTRun:
             return
         loss_value, norm_value = self.forward_backward(step, indices)
         verdict = self.guard.check(loss_value, norm_value)
-        lr = cfg.optim.lr * min(1.0, step / cfg.optim.warmup_steps) if cfg.optim.warmup_steps else cfg.optim.lr
+        lr = self.lr(step)
         if verdict.ok:
             self.optimizer_step(lr)
         else:
@@ -205,8 +205,14 @@ class DiTRun:
                          tokens_per_s=tokens_per_s, grad_norm=norm_value, lr=lr, skipped=not verdict.ok,
                          samples_seen=self.sampler.samples_seen, fp8=fp8)
 
-    def forward_backward(self, step: int, indices: list[int]) -> tuple[float, float]:
-        """Loss over this rank's micro-batches with gradients; (global loss, global grad norm)."""
+    def lr(self, step: int) -> float:
+        optim = self.cfg.optim
+        return optim.lr * min(1.0, step / optim.warmup_steps) if optim.warmup_steps else optim.lr
+
+    def forward_backward(self, step: int, indices: list[int], weight: float = 1.0) -> tuple[float, float]:
+        """Loss over this rank's micro-batches with gradients; (global loss, global grad norm).
+
+        ``weight`` scales this rank's loss (replica-group mode: unequal shares of the batch)."""
         inject = self.session.loss(step, 1.0) != 1.0
         self.optim.zero_grad(set_to_none=True)
         chunks = micro_batches(indices, self.cfg.micro_batch_size)
@@ -215,15 +221,19 @@ class DiTRun:
             if len(chunks) > 1 and hasattr(self.model, "set_requires_gradient_sync"):
                 self.model.set_requires_gradient_sync(i == len(chunks) - 1)  # reduce-scatter after the last one
             part = micro_batch_loss(self.model, self.cfg, self.dataset, step, chunk, self.session.device)
-            part = part * (len(chunk) / len(indices))
+            part = part * (len(chunk) / len(indices) * weight)
             if inject:
                 part = part * float("nan")
             part.backward()
             loss += part.detach()
         global_loss = loss.detach().clone()
         dist.all_reduce(global_loss, op=dist.ReduceOp.AVG)
+        self.average_replicas(global_loss)
         self.grad_norm = global_grad_norm(self.model)
         return float(global_loss), float(self.grad_norm)
+
+    def average_replicas(self, loss: torch.Tensor) -> None:
+        """Replica-group mode averages gradients and ``loss`` across the groups here; one world: nothing."""
 
     def optimizer_step(self, lr: float) -> None:
         if self.cfg.optim.grad_clip > 0:

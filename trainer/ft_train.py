@@ -25,112 +25,33 @@ and ``quorum_id``; only committed steps count.  At the end each group prints
 
 from __future__ import annotations
 
-import json
-import os
 import sys
 import time
 import zlib
-from datetime import timedelta
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from elastic.common.env import ETCD_ENDPOINT_ENV, RUN_PREFIX_ENV
-from elastic.control.keys import RunKeys
-from elastic.control.store import EtcdStore, StoreError
-from elastic.replicas.config import ReplicaConfig
 from elastic.worker.session import WorkerSession, run_worker
-from trainer.collectives import broadcast_flag
 from trainer.minimal_config import MLPTrainerConfig
+from trainer.replica import (
+    RunFinished,
+    build_manager,
+    exit_now,
+    flat_allreduce,
+    grads_of,
+    install_fsdp_hook,
+    release_peers,
+    replica_group,
+)
 from trainer.train import batch_for, build_model, shard_model
 
 
 def data_rank(replica_id: str, rank: int, world: int) -> int:
     """The batch stream of (group, rank): distinct per group, stable across the group's restarts."""
     return (zlib.crc32(replica_id.encode()) % 100_003) * world + rank
-
-
-def flat_allreduce(manager: Any, params: list[nn.Parameter]) -> None:
-    """Average the gradients across the quorum in one collective (torchft 0.2.0: no DDP comm hook)."""
-    grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    # On a peer failure the work completes without error and the manager votes not to commit.
-    manager.allreduce(flat).wait()
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-        offset += g.numel()
-
-
-class RunFinished:
-    """The run's "training finished" mark in etcd, set by the first group to reach the last step.
-
-    A group that restarts so late that its peers are already done finds no one to heal from
-    and would train the whole run again alone (measured: a 61 s restart on a loaded host).
-    While it trains alone it looks for the mark every ``every`` steps, and stops if it is set.
-    """
-
-    def __init__(self, every: int = 10) -> None:
-        endpoint, prefix = os.environ.get(ETCD_ENDPOINT_ENV), os.environ.get(RUN_PREFIX_ENV)
-        self.store = EtcdStore(endpoint, request_timeout=2.0, retry_deadline=2.0) if endpoint and prefix else None
-        self.key = RunKeys(prefix or "").replicas_finished
-        self.every = every
-
-    def seen(self, step: int, participants: int, rank: int, world: int, device: torch.device) -> bool:
-        """Collective within the group when world > 1 (every rank sees the same step and quorum)."""
-        if self.store is None or participants > 1 or step % self.every:
-            return False
-        flag = 0.0
-        if rank == 0:
-            try:
-                flag = 1.0 if self.store.get(self.key) is not None else 0.0
-            except StoreError:
-                flag = 0.0  # etcd unreachable: keep training
-        if world > 1:
-            flag = float(broadcast_flag(flag > 0, device=device))
-        return flag > 0
-
-    def publish(self, step: int, replica_id: str) -> None:
-        if self.store is None:
-            return
-        try:
-            self.store.put(self.key, json.dumps({"step": step, "group": replica_id, "ts": time.time()}))
-        except StoreError:
-            pass
-
-
-def build_manager(cfg: ReplicaConfig, replica_id: str, device: torch.device, model: nn.Module,
-                  optim: torch.optim.Optimizer) -> Any:
-    from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
-    from torchft.checkpointing.pg_transport import PGTransport
-
-    timeout = timedelta(seconds=cfg.timeout_s)
-    pg = ProcessGroupNCCL(timeout=timeout) if device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
-
-    def state_dict() -> dict[str, Any]:
-        return {"model": model.state_dict(), "optim": optim.state_dict()}
-
-    def load_state_dict(sd: dict[str, Any]) -> None:
-        model.load_state_dict(sd["model"])
-        optim.load_state_dict(sd["optim"])
-
-    transport = PGTransport(pg, timeout=timeout, device=device) if cfg.transport == "pg" else None
-    return Manager(
-        pg=pg, min_replica_size=cfg.min_replicas, load_state_dict=load_state_dict, state_dict=state_dict,
-        use_async_quorum=False, replica_id=replica_id,
-        # The group's own address (torchrun's --local-addr): HTTP recovery and peers reach it there.
-        hostname=os.environ.get("MASTER_ADDR", "127.0.0.1"),
-        timeout=timeout, quorum_timeout=timedelta(seconds=cfg.quorum_timeout_s),
-        connect_timeout=timedelta(seconds=cfg.quorum_timeout_s), checkpoint_transport=transport,
-    )
-
-
-def replica_group() -> str:
-    return os.environ.get("REPLICA_GROUP_ID", "rg0")
 
 
 def train(session: WorkerSession) -> str | None:
@@ -146,16 +67,19 @@ def train(session: WorkerSession) -> str | None:
     if world > 1:
         model = shard_model(model, world, device.type)
     inner = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
-    manager = build_manager(session.cfg.replicas, replica_id, device, model, inner)
+
+    def state_dict() -> dict[str, Any]:
+        return {"model": model.state_dict(), "optim": inner.state_dict()}
+
+    def load_state_dict(sd: dict[str, Any]) -> None:
+        model.load_state_dict(sd["model"])
+        inner.load_state_dict(sd["optim"])
+
+    manager = build_manager(session.cfg.replicas, replica_id, device, state_dict, load_state_dict)
     try:
         if world > 1:
-            # FSDP2 reduce-scatters inside the group; the hook averages each shard across the groups.
-            # The hook is per FSDP module (each sharded Linear holds its own parameters), not inherited.
-            from torch.distributed.fsdp import FSDPModule
-
-            for module in model.modules():
-                if isinstance(module, FSDPModule):
-                    module.set_all_reduce_hook(lambda grad: manager.allreduce(grad).wait())
+            install_fsdp_hook(model, manager)
+        session.screen_gate()
         optim = torchft.Optimizer(manager, inner)
         session.emit_start(0, resumed=False, replica_group=replica_id, mode="replicas")
         if not train_steps(session, cfg, model, optim, manager, replica_id):
@@ -197,7 +121,9 @@ def train_steps(session: WorkerSession, cfg: MLPTrainerConfig, model: nn.Module,
         loss.backward()
         t_sync = time.monotonic()
         if world == 1:
-            flat_allreduce(manager, params)
+            flat_allreduce(manager, grads_of(params))
+        if manager.errored():
+            release_peers(manager)
         optim.step()  # commits (and steps the inner optimizer) only if the whole quorum votes yes
         wait = t_quorum + time.monotonic() - t_sync
         step_time = time.monotonic() - t0
@@ -212,13 +138,9 @@ def train_steps(session: WorkerSession, cfg: MLPTrainerConfig, model: nn.Module,
 
 @record
 def main(argv: list[str] | None = None) -> int:
-    code = run_worker("python -m trainer.ft_train", MLPTrainerConfig, train, argv, group=replica_group(),
-                      checkpoints=False)
-    # Everything is written (events flush per line).  torchft 0.2.0's native teardown at
-    # interpreter exit then takes 8-13 s (measured on 2 loaded cores), so skip it.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    exit_now(run_worker("python -m trainer.ft_train", MLPTrainerConfig, train, argv, group=replica_group(),
+                        checkpoints=False))
+    return 0
 
 
 if __name__ == "__main__":

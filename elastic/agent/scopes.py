@@ -138,5 +138,5 @@ def make_scope(spec: NodeSpec, state: RunState, events: EventLog, replicas: Repl
     """The restart scope of a node: its replica group in replica-group mode, else the whole run."""
     if replicas is None or not replicas.enabled:
         return RunScope(spec, state, events)
-    runtime = ReplicaRuntime(replicas, state, spec.node_id, spec.run_id, spec.run_dir, events)
+    runtime = ReplicaRuntime(replicas, state, spec.node_id, spec.run_id, spec.run_dir, events, spec.local_addr)
     return ReplicaScope(runtime, state, events)

@@ -8,6 +8,11 @@ Layout under the checkpoint root::
         manifest.json             global shapes + chunk offsets (reshard), file checksums
         COMMIT                    JSON: step, world size, fingerprint, sha256 + size per file
     .step-00000050.tmp-XXXXXXXX/  a save in progress; never loaded, removed at start-up
+    .step-00000050.tmp-XXXXXXXX-<owner>/  the same, of one writer among several (``owner``)
+
+In replica-group mode (torchft) several groups share one root and any of them may be the
+writer of the moment; each is a manager with its own ``owner`` name (the group id), so a group
+that starts removes only its own stale directories, never a peer's save in progress.
 
 (The shard/manifest format and why it is not DCP's HF writer: see
 :mod:`elastic.checkpoint.format`.)
@@ -63,6 +68,7 @@ derive their RNG state from the seed, step and rank themselves.
 
 from __future__ import annotations
 
+import glob
 import io
 import json
 import logging
@@ -115,7 +121,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-_STALE_GLOBS = (".step-*.tmp-*", ".step-*.old-*")
+_STALE_KINDS = ("tmp", "old")
 
 
 def select_for_deletion(steps: Iterable[int], keep_last: int, protect: Iterable[int] = ()) -> list[int]:
@@ -161,7 +167,9 @@ class CheckpointManager(CommittedCheckpoints):
         storage: CheckpointStorage | None = None,
         memory_client: MemStateClient | None = None,
         fingerprint_basis: dict[str, Any] | None = None,
+        owner: str = "",
     ) -> None:
+        self.owner = owner
         self._finalizer: ThreadPoolExecutor | None = None
         self._inflight: Future[None] | None = None
         self._closed = False
@@ -180,9 +188,16 @@ class CheckpointManager(CommittedCheckpoints):
             self._remove_stale_tmp()
         collectives.barrier(self.group)
 
+    def _tag(self, token: str) -> str:
+        """A temporary directory's suffix: the 8-character token, then the owner when there is one."""
+        return f"{token}-{self.owner}" if self.owner else token
+
     def _remove_stale_tmp(self) -> None:
-        for pattern in _STALE_GLOBS:
-            for entry in self.root.glob(pattern):
+        # Without an owner every stale directory is ours (one writer per root).  With one, the name
+        # must end in exactly "<token>-<owner>" (owner "a" must not match owner "b-a" or "a-b").
+        scope = f"{'?' * 8}-{glob.escape(self.owner)}" if self.owner else "*"
+        for kind in _STALE_KINDS:
+            for entry in self.root.glob(f".step-*.{kind}-{scope}"):
                 self.storage.remove_tree(entry)
                 self.events.emit("checkpoint.stale_tmp_removed", path=str(entry))
 
@@ -205,7 +220,7 @@ class CheckpointManager(CommittedCheckpoints):
         final = self.root / step_dir_name(step)
         token, self.failed_in_a_row = collectives.broadcast_object(
             (uuid.uuid4().hex[:8], list(self._streak)) if self._rank == 0 else None, self.group)
-        tmp = self.root / f".{final.name}.tmp-{token}"
+        tmp = self.root / f".{final.name}.tmp-{self._tag(token)}"
         self.events.emit("checkpoint.save_start", step=step, path=str(tmp), waited_s=round(waited_s, 6))
         t0 = time.monotonic()
         try:
@@ -378,7 +393,7 @@ class CheckpointManager(CommittedCheckpoints):
         self.storage.write_file(tmp / (COMMIT_FILE + ".tmp"), [text], step)
         (tmp / (COMMIT_FILE + ".tmp")).rename(tmp / COMMIT_FILE)
         if final.exists():  # re-save of the same step after a rollback: swap, then drop the old one
-            old = self.root / f".{final.name}.old-{uuid.uuid4().hex[:8]}"
+            old = self.root / f".{final.name}.old-{self._tag(uuid.uuid4().hex[:8])}"
             final.rename(old)
             tmp.rename(final)
             self.storage.remove_tree(old)
@@ -393,7 +408,7 @@ class CheckpointManager(CommittedCheckpoints):
             path = self.root / step_dir_name(step)
             try:
                 # Hide it first (a reader never sees a half-deleted checkpoint), then delete.
-                doomed = self.root / f".{path.name}.old-{uuid.uuid4().hex[:8]}"
+                doomed = self.root / f".{path.name}.old-{self._tag(uuid.uuid4().hex[:8])}"
                 path.rename(doomed)
                 self.storage.remove_tree(doomed)
             except OSError as exc:

@@ -4,6 +4,9 @@ In this mode every node agent is one replica group: its torchrun forms the group
 alone (``nproc_per_node`` ranks, FSDP inside), and the groups train data-parallel
 through a torchft Lighthouse run by the leader agent.  A failed group restarts
 alone and heals its weights from a live peer; the others never restart.
+
+The timeouts form a ladder, checked when the run config is read (``RunConfig``):
+``heartbeat_timeout_ms`` < ``quorum_timeout_s`` < ``timeout_s`` < ``agent.heartbeat.step_timeout_s``.
 """
 
 from __future__ import annotations
@@ -28,15 +31,21 @@ class ReplicaConfig:
     quorum_tick_ms: int = 100
     """How often the Lighthouse re-checks a pending quorum."""
     lighthouse_host: str = "127.0.0.1"
-    """Address the Lighthouse binds and advertises (published in etcd for the other agents)."""
+    """Address the Lighthouse binds and advertises (published in etcd for the other agents); a
+    wildcard (0.0.0.0, ::) binds every interface and advertises the host agent's launch.local_addr."""
     lighthouse_port: int = 0
     """Lighthouse port; 0 picks a free one."""
     lighthouse_wait_s: float = 60.0
     """How long an agent waits for the Lighthouse address to appear in etcd before it fails."""
-    quorum_timeout_s: float = 30.0
-    """torchft Manager quorum timeout (also bounds a rejoining group's wait for its peers)."""
+    quorum_timeout_s: float = 5.0
+    """torchft Manager quorum timeout per step: above heartbeat_timeout_ms, so that a dead group
+    drops out of the quorum before the survivors' quorum call gives up.  (A group's first quorum
+    may wait longer, up to agent.heartbeat.init_timeout_s, for peers that are still starting.)"""
     timeout_s: float = 10.0
-    """torchft Manager timeout for collectives, commit votes and checkpoint transfer."""
+    """torchft process-group timeout: cross-group collectives, commit votes, checkpoint transfer.
+    Above quorum_timeout_s (a group in the allreduce waits for a peer still in its quorum) and
+    below agent.heartbeat.step_timeout_s (a survivor stuck behind a hung peer leaves the
+    collective and reports a step before its own agent calls it hung)."""
     transport: Literal["pg", "http"] = "pg"
     """Live-recovery transport: "pg" sends the state over the torchft process group; "http"
     serves it from an HTTP server that advertises socket.gethostname() (must resolve here)."""

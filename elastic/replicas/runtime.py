@@ -68,12 +68,19 @@ def _wait_listening(host: str, port: int, proc: subprocess.Popen, timeout: float
     raise LighthouseUnavailable(f"lighthouse not listening on {host}:{port} after {timeout:g}s")
 
 
-class LighthouseHost:
-    """The Lighthouse child of the leader agent."""
+_WILDCARDS = frozenset({"0.0.0.0", "::", "[::]"})
 
-    def __init__(self, config: ReplicaConfig, log_path: Path) -> None:
+
+class LighthouseHost:
+    """The Lighthouse child of the leader agent.
+
+    It binds ``replicas.lighthouse_host``; a wildcard there (``0.0.0.0``, ``::``: every interface,
+    as a cluster needs) is advertised as ``advertise_host``, this node's address for its peers."""
+
+    def __init__(self, config: ReplicaConfig, log_path: Path, advertise_host: str = "127.0.0.1") -> None:
         self.config = config
         self.log_path = log_path
+        self.advertise_host = config.lighthouse_host if config.lighthouse_host not in _WILDCARDS else advertise_host
         self.proc: subprocess.Popen[bytes] | None = None
         self.address = ""
 
@@ -88,11 +95,11 @@ class LighthouseHost:
                                          stderr=subprocess.STDOUT, start_new_session=True,
                                          preexec_fn=child_preexec(signal.SIGKILL))  # noqa: PLW1509 (prctl only)
         try:
-            _wait_listening(self.config.lighthouse_host, port, self.proc, timeout)
+            _wait_listening(self.advertise_host, port, self.proc, timeout)  # where peers will connect
         except LighthouseUnavailable:
             self.stop()
             raise
-        self.address = f"http://{self.config.lighthouse_host}:{port}"
+        self.address = f"http://{self.advertise_host}:{port}"
         return self.address
 
     def running(self) -> bool:
@@ -113,7 +120,7 @@ class ReplicaRuntime:
     """What an agent does differently in replica-group mode."""
 
     def __init__(self, config: ReplicaConfig, state: RunState, node_id: str, run_id: str,
-                 run_dir: Path, events: EventLog) -> None:
+                 run_dir: Path, events: EventLog, local_addr: str = "127.0.0.1") -> None:
         self.config = config
         self.state = state
         self.store = state.store
@@ -121,7 +128,7 @@ class ReplicaRuntime:
         self.run_id = run_id
         self.events = events
         self.key = state.keys.lighthouse
-        self.host = LighthouseHost(config, run_dir / "logs" / f"lighthouse-{node_id}.log")
+        self.host = LighthouseHost(config, run_dir / "logs" / f"lighthouse-{node_id}.log", local_addr)
         self._lock = threading.Lock()
 
     # -- leader side ------------------------------------------------------------

@@ -182,12 +182,35 @@ class RunConfig:
         if self.replicas.min_replicas > self.launch.max_nodes:
             raise ConfigError("replicas.min_replicas", f"{self.replicas.min_replicas} exceeds the "
                               f"{self.launch.max_nodes} replica groups launch.nodes allows (one group per node)")
+        self._check_timeout_ladder()
+
+    def _check_timeout_ladder(self) -> None:
+        """Replica-group mode's timeouts must rise: Lighthouse heartbeat < quorum < collective < hang.
+
+        A dead group must drop out of the quorum before the survivors' quorum call gives up; a
+        group waiting in the cross-group allreduce must outwait a peer still in its quorum; and a
+        survivor blocked in that allreduce behind a hung peer must time out and report a step
+        before its own agent calls it hung (README, "Replica groups for the DiT trainer")."""
+        rungs = [("replicas.heartbeat_timeout_ms", self.replicas.heartbeat_timeout_ms / 1000.0),
+                 ("replicas.quorum_timeout_s", self.replicas.quorum_timeout_s),
+                 ("replicas.timeout_s", self.replicas.timeout_s),
+                 ("agent.heartbeat.step_timeout_s", self.agent.heartbeat.step_timeout_s)]
+        # Beside the ladder: a quorum may also wait join_timeout_ms for a straggler before it forms.
+        join = ("replicas.join_timeout_ms", self.replicas.join_timeout_ms / 1000.0)
+        pairs = [*zip(rungs, rungs[1:]), (join, rungs[1])]
+        for (low, low_s), (high, high_s) in pairs:
+            if not low_s < high_s:
+                raise ConfigError(low, f"must be below {high} ({low_s:g} s >= {high_s:g} s; replica-group "
+                                       f"timeouts must rise: heartbeat < quorum < collective < hang)")
 
     def check_launch(self) -> None:
         """The launcher's check, after every flag is applied: each world size the elastic range allows
         must suit the trainer (e.g. split its global batch).  Workers started by plain torchrun read
         the same file without it: their world is what torchrun gave them."""
         workload = self.workload()
+        if workload is not None and self.replicas.enabled:
+            self._check_replica_groups(workload)
+            return
         if workload is None or workload.check_world is None:
             return
         lo, hi = self.launch.min_nodes, self.launch.max_nodes
@@ -197,6 +220,19 @@ class RunConfig:
             except ConfigError as exc:
                 raise ConfigError(f"trainer.{exc.path}" if exc.path else "trainer",
                                   f"{exc.message} (at {nodes} nodes of launch.nodes={self.launch.nodes})") from None
+
+    def _check_replica_groups(self, workload: Workload) -> None:
+        """One group per node of ``nproc_per_node`` ranks; up to launch's most nodes of them."""
+        group, groups = self.launch.nproc_per_node, self.launch.max_nodes
+        try:
+            if workload.check_replicas is not None:
+                workload.check_replicas(self.trainer, group, groups)
+            elif workload.check_world is not None:
+                workload.check_world(self.trainer, group)
+        except ConfigError as exc:
+            raise ConfigError(f"trainer.{exc.path}" if exc.path else "trainer",
+                              f"{exc.message} (replica groups of launch.nproc_per_node={group}, "
+                              f"up to {groups} of them)") from None
 
     def trainer_steps(self) -> int | None:
         """Steps the trainer runs in total, when its section says (a custom trainer's may not)."""

@@ -41,6 +41,8 @@ class Workload:
     """Its trainer drives its steps through ``WorkerSession.train`` (in-process recovery works)."""
     check_world: Callable[[Any, int], None] | None = None
     """Raises ConfigError (path relative to ``trainer``) for a world size the config cannot use."""
+    check_replicas: Callable[[Any, int, int], None] | None = None
+    """Replica-group mode's check instead: (trainer config, ranks per group, most groups)."""
     description: str = ""
 
     @property

@@ -177,6 +177,7 @@ class WorkerSession:
         self.cfg = cfg
         self.run_dir = run_dir
         self.device, self.rank, self.world = device, rank, world
+        self.group = group
         # A replica group's ranks name their group (``trainer/<group>/rank<R>``): ranks repeat across groups.
         name, source = (f"{group}-rank{rank}", f"trainer/{group}/rank{rank}") if group else (f"rank{rank}", f"trainer/rank{rank}")
         self.events = EventLog(run_dir / "events" / f"trainer-{name}.jsonl", source)
@@ -229,8 +230,10 @@ class WorkerSession:
         group = dist.new_group(backend="gloo")
         storage = FaultInjectingStorage(LocalStorage(), self.hooks.checkpoint_write_fails)
         basis = self.cfg.fingerprint_basis() if self.cfg.fingerprint else None
+        # A replica group owns its temporary save directories: groups share the checkpoint root.
         return CheckpointManager(self.cfg.checkpoint, root, self.cfg.fingerprint, self.events, group,
-                                 publisher=publisher_from_env(), storage=storage, fingerprint_basis=basis)
+                                 publisher=publisher_from_env(), storage=storage, fingerprint_basis=basis,
+                                 owner=self.group or "")
 
     # -- start ------------------------------------------------------------------
     def resume(self, state: dict[str, Any]) -> tuple[int, dict[str, Any]] | None:
@@ -261,6 +264,10 @@ class WorkerSession:
         with self.probe.collective("sync", self._step):
             dist.all_reduce(check_device(self._sync))
         self._wait = time.monotonic() - t_sync
+
+    def waited(self, seconds: float) -> None:
+        """More of this step spent waiting on peers outside :meth:`sync_point` (a torchft quorum)."""
+        self._wait += seconds
 
     def skip_step(self, step: int) -> bool:
         """True (and an event) when a numerics rollback skips this step's batch."""
@@ -299,7 +306,7 @@ class WorkerSession:
         each), and re-form in-process when a peer is lost; returns the final checksum."""
         run = build(self)
         step = self._resume(run)
-        self._screen_gate()
+        self.screen_gate()
         while step < run.last_step:
             try:
                 run.step(step + 1)
@@ -311,7 +318,8 @@ class WorkerSession:
                 run, step = self._recover(build, step + 1, exc)
         return self.finish(run.model, run.last_step, **run.done_fields())
 
-    def _screen_gate(self) -> None:
+    def screen_gate(self) -> None:
+        """Wait for the node screen started with this worker; ScreenFailed when the node failed it."""
         if self.screen is None:
             return
         verdict, self.screen = self.screen.verdict(), None

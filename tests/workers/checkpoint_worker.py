@@ -35,6 +35,7 @@ from torch.distributed.fsdp import fully_shard  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
 from elastic.checkpoint.manager import CheckpointConfig, CheckpointManager  # noqa: E402
+from elastic.checkpoint.load import CheckpointMismatch  # noqa: E402
 from elastic.checkpoint.publish import EtcdCheckpointPublisher, read_latest  # noqa: E402
 from elastic.checkpoint.storage import FaultInjectingStorage, LocalStorage  # noqa: E402
 from elastic.worker.faults import FaultHooks  # noqa: E402
@@ -261,9 +262,16 @@ def scenario_main(workdir: Path) -> None:
     assert loaded is not None and loaded[0] == 6, loaded
     assert_same(rig.snapshot(), ref6, "fallback to step 6")
 
-    # 7. A checkpoint of another run config (fingerprint) is never loaded.
+    # 7. A checkpoint of another run config (fingerprint) is never loaded: it is refused on every rank.
     foreign = rig.manager(fingerprint="fp-B")
-    assert foreign.load_latest(rig.state) is None
+    before = rig.snapshot()
+    try:
+        foreign.load_latest(rig.state)
+    except CheckpointMismatch as exc:
+        assert "different run config" in str(exc) and "--fresh" in str(exc), exc
+    else:
+        raise AssertionError("a checkpoint of another run config was loaded instead of refused")
+    assert_same(rig.snapshot(), before, "state untouched by the refused foreign checkpoint")
     foreign.close()
     mgr.close()
     rig.events.emit("test.done")
