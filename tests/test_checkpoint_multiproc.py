@@ -91,10 +91,11 @@ def test_async_save_retention_disk_full_corruption_publish(tmp_path, subprocess_
     assert "ENOSPC" in json.dumps(_kinds(ev0, "checkpoint.save_failed", step=8)[0])
     assert not _kinds(ev0, "checkpoint.committed", step=8)
 
-    # Corruption: step 10 skipped with a checksum reason; foreign run skipped by fingerprint.
+    # Corruption: step 10 skipped with a checksum reason; another run config's manager refuses the newest.
     skipped = _kinds(ev0, "checkpoint.skipped_corrupt", step=10)
     assert skipped and "checksum mismatch in shard-00001.safetensors" in skipped[0]["reason"]
-    assert any("fingerprint" in e["reason"] for e in _kinds(ev0, "checkpoint.skipped_corrupt", step=6))
+    foreign = _kinds(ev0, "checkpoint.foreign")
+    assert foreign and all("different run config" in e["reason"] for e in foreign), foreign
     assert [e["step"] for e in _kinds(ev0, "checkpoint.loaded")] == [2, 10, 6]
     assert [e["step"] for e in _kinds(ev0, "checkpoint.published")] == [2, 4, 6, 10]
 
