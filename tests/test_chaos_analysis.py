@@ -120,3 +120,18 @@ def test_a_planted_fault_that_never_fired_is_reported_and_not_measured(tmp_path)
     result = check_run(run2, Expectation(steps=10, bitwise=False), None, launcher_rc=0, orphan_wait_s=0.1)
     (metrics,) = result["faults"]
     assert metrics["took_effect"] and metrics["fault_ts"] == T0 + 8.0 and metrics["resume_step"] == 4
+
+
+def test_a_corruption_no_load_read_is_unproven_unless_recovery_was_in_process(tmp_path):
+    corrupt = ev(7.5, "chaos.inject", "chaos", P + 99, fault="corrupt_checkpoint", target="node0", pids=[], step=7,
+                 detail={"checkpoint_step": 4}, injected_ts=T0 + 7.5)
+    summary = {"last_step": 10, "final_checksum": "c", "wall_s": 30.0, "nodes": {}}
+    run = write_run(tmp_path, killed_run() + [corrupt], summary)
+    result = check_run(run, Expectation(steps=10, bitwise=False), None, launcher_rc=0, orphan_wait_s=0.1)
+    verdict = next(i for i in result["invariants"] if i["name"] == "corrupt_checkpoint_skipped")
+    assert not verdict["ok"] and "proved nothing" in verdict["detail"]
+    recovered = ev(14.0, "trainer.recovered", "trainer/rank0", P + 10, path="inprocess", step=7, world_size=2)
+    run2 = write_run(tmp_path / "b", killed_run() + [corrupt, recovered], summary)
+    result = check_run(run2, Expectation(steps=10, bitwise=False), None, launcher_rc=0, orphan_wait_s=0.1)
+    verdict = next(i for i in result["invariants"] if i["name"] == "corrupt_checkpoint_skipped")
+    assert verdict["ok"] and "in-process" in verdict["detail"], verdict

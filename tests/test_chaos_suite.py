@@ -86,6 +86,9 @@ def test_kill_worker_with_fp8_and_context_parallel(tmp_path, subprocess_env):
     assert start["cp"] == 2 and start["fp8_layers"] > 0
 
 
+# Long tier (pytest -m soak): the plan path shares the scenario runner with the suite tests above;
+# plan validation against the launch is test_launch_refusals.py's.
+@pytest.mark.soak
 @pytest.mark.timeout(300)
 def test_chaos_run_with_a_plan_file(tmp_path, subprocess_env):
     config = write_run_config(tmp_path, nodes="2", steps=16, interval=4, step_sleep=0.1)

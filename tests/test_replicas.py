@@ -139,6 +139,9 @@ def _steps(events: list[dict], source: str) -> list[dict]:
     return [e for e in events if e["kind"] == "trainer.step" and e["source"] == source]
 
 
+# Long tier (pytest -m soak): the replica machinery it exercises (trainer/replica.py, Lighthouse, heal)
+# is the DiT replica trainer's too, killed the same way in test_dit_replicas.py.
+@pytest.mark.soak
 @pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_sigkill_one_group_survivor_keeps_training_and_restarted_group_heals(tmp_path, subprocess_env):

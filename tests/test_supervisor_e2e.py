@@ -88,6 +88,9 @@ def test_repeated_numerics_failures_stop_with_a_report(tmp_path, subprocess_env_
     assert len(kinds(run_dir, "agent.rollback")) == 1
 
 
+# Long tier (pytest -m soak): 40-70 s on 2 cores. The straggler policy has unit tests on the in-memory
+# store (test_supervisor_units.py) and the run's growth has test_barrier.py's late-node test.
+@pytest.mark.soak
 def test_straggler_is_excluded_run_shrinks_then_grows_back(tmp_path, subprocess_env_session):
     agent = {**FAST_AGENT,
              "leader": {"interval_s": 0.5, "straggler_action": "exclude", "straggler_evaluations": 2,

@@ -22,7 +22,6 @@ floating-point reduction order.
 
 from __future__ import annotations
 
-import sys
 import time
 from typing import Any
 
@@ -35,7 +34,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from elastic.common.config import ConfigError
 from elastic.run.schema import dump_run_file
-from elastic.worker.session import NumericsRollback, WorkerSession, run_worker
+from elastic.worker.session import NumericsRollback, WorkerSession, exit_process, run_worker
 from trainer.data import GlobalSampler, build_dataset, collate
 from trainer.dit import DiT, build_dit
 from trainer.dit_config import DiTTrainerConfig
@@ -262,4 +261,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

@@ -15,7 +15,6 @@ checksum is printed (``FINAL_CHECKSUM <sha256>``) and written to
 
 from __future__ import annotations
 
-import sys
 import time
 from typing import Any
 
@@ -27,7 +26,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.fsdp import fully_shard
 
-from elastic.worker.session import NumericsRollback, WorkerSession, run_worker
+from elastic.worker.session import NumericsRollback, WorkerSession, exit_process, run_worker
 from trainer.collectives import all_finite
 from trainer.minimal_config import MLPTrainerConfig
 
@@ -136,4 +135,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

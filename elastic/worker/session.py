@@ -423,6 +423,16 @@ def read_run_config(path: str, trainer_class: type | None) -> RunConfig | None:
         return None
 
 
+def exit_process(code: int) -> None:
+    """Leave a finished worker at once.  Everything is written by now (events flush per line, the
+    final checkpoint committed, the session closed), and what is left of interpreter exit is C-level
+    teardown after every atexit handler: 2.0-2.4 s per worker measured on 2 cores (faulthandler
+    shows no Python frame), paid at every run's end and worth nothing."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def run_worker(prog: str, trainer_class: type | None, train: Callable[[WorkerSession], Any],
                argv: list[str] | None = None, **session_kwargs: Any) -> int:
     """A trainer's ``main``: flags, run file, session, ``train(session)``; the process exit code."""
