@@ -45,7 +45,8 @@ def summarize(cfg: RunConfig, run_dir: Path, nodes: dict[str, int | None], wall_
         "last_step": last_step,
         "step_events": len(steps),
         "failures": [{"node": e["source"], "failure_kind": e.get("failure_kind"), "rc": e.get("rc"),
-                      "action": e.get("action"), "detail": e.get("detail")} for e in failures],
+                      "action": e.get("action"), "detail": e.get("detail"), "counted": e.get("counted", True)}
+                     for e in failures],
         "faults": [{k: e.get(k) for k in ("epoch", "node", "failure_kind", "step", "detail", "by")}
                    for e in events if e["kind"] == "run.fault"],
         "stop_reasons": stop_reasons(events, nodes),

@@ -71,6 +71,9 @@ def test_quick_suite_against_the_tiny_dit_job(tmp_path, subprocess_env):
         assert any(line.startswith(name) and "PASS" in line for line in proc.stdout.splitlines()), proc.stdout
 
 
+# Long tier (pytest -m soak): FP8 + cp=2 under the launcher is test_dit_e2e.py's test_cp2_and_fp8_run_end_to_end,
+# a worker kill on the DiT job is the quick suite's and test_inprocess_e2e.py's (cp=2 there too).
+@pytest.mark.soak
 @pytest.mark.timeout(700)
 def test_kill_worker_with_fp8_and_context_parallel(tmp_path, subprocess_env):
     """cp=2 over the two nodes (one rank each), FP8 linears: the same recovery, bitwise."""

@@ -225,6 +225,9 @@ def test_sample_writes_png_grid_from_newest_checkpoint(tmp_path, world1):
     assert sample.main(["--run-dir", str(tmp_path / "run"), "--out", str(out), "--step", "3"]) == 1
 
 
+# Long tier (pytest -m soak): the restart path from disk for the DiT is also the chaos quick suite's
+# corrupt_checkpoint scenario and test_inprocess_e2e.py's fallback test, both bitwise.
+@pytest.mark.soak
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_sigkill_and_resume_bitwise_equal_two_ranks(tmp_path, subprocess_env):

@@ -12,6 +12,9 @@ from elastic.common.events import read_run_events
 from tests.launch_helpers import start_launcher, wait_for_event, write_run_config
 
 
+# Long tier (pytest -m soak): checkpoint.memory is off by default; its cache protocol has unit tests
+# (test_memstate.py) and restores from agent memory are test_inprocess_e2e.py's.
+@pytest.mark.soak
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_sigkilled_worker_resumes_from_memory_bitwise(baseline_run, tmp_path, subprocess_env_session):

@@ -49,7 +49,8 @@ def test_sigstop_hang_is_detected_on_its_node_and_recovered(tmp_path, subprocess
     assert detected and detected[0]["source"] == f"agent/{node}" and detected[0]["verdict"] == "culprit"
     assert detected[0]["ts"] - stopped_at < 15  # seconds, not a collective timeout
     s = summary_of(run_dir)
-    assert [(f["node"], f["failure_kind"]) for f in s["failures"]] == [(f"agent/{node}", "hang")]
+    # Only the hang counts; a peer's in-process re-formation that gave up (recovery_failed) is listed uncounted.
+    assert [(f["node"], f["failure_kind"]) for f in s["failures"] if f["counted"]] == [(f"agent/{node}", "hang")]
     assert s["final_checksum"] == baseline_run["summary"]["final_checksum"]
 
 
@@ -125,7 +126,9 @@ def test_straggler_is_excluded_run_shrinks_then_grows_back(tmp_path, subprocess_
 
 
 def test_leader_failover_when_leader_agent_is_killed(tmp_path, subprocess_env_session):
-    config = write_run_config(tmp_path, nodes="2:3", steps=30, interval=5, agent=FAST_AGENT)
+    # The survivors re-form in-process within a second or two: the rest of the run (26 steps of at
+    # least 0.2 s) must outlast the dead leader's lease (agent.leader.ttl_s, 3 s) for a successor to be elected.
+    config = write_run_config(tmp_path, nodes="2:3", steps=30, interval=5, step_sleep=0.2, agent=FAST_AGENT)
     run_dir = tmp_path / "run"
     proc = start_launcher(config, subprocess_env_session)
     wait_for_event(run_dir, lambda e: e["kind"] == "trainer.step" and e["step"] >= 4, timeout=240, proc=proc)
@@ -143,6 +146,9 @@ def test_leader_failover_when_leader_agent_is_killed(tmp_path, subprocess_env_se
     assert summary_of(run_dir)["last_step"] == 30
 
 
+# Long tier (pytest -m soak): a run that cannot re-form stops with a reason in
+# test_lost_node_e2e.py's fixed-size run too.
+@pytest.mark.soak
 def test_below_min_nodes_waits_then_stops_with_clear_message(tmp_path, subprocess_env_session):
     config = write_run_config(tmp_path, nodes="2", steps=200, agent=FAST_AGENT,
                               rendezvous={"join_timeout_s": 5})
@@ -172,6 +178,9 @@ def test_no_progress_guard_stops_crash_loop(tmp_path, subprocess_env_session):
     assert "no progress" in gave_up[-1]["reason"]
 
 
+# Long tier (pytest -m soak): a failed screen excludes its node in test_agent.py's screen tests and
+# in test_slurm.py's second job (exit 93, the others finish).
+@pytest.mark.soak
 def test_bad_hardware_at_preflight_excludes_only_that_node(tmp_path, subprocess_env_session):
     agent = {**FAST_AGENT, "preflight": {"enabled": True, "checks": ["gpu", "gemm"]}}
     config = write_run_config(tmp_path, nodes="2:3", steps=12, agent=agent)

@@ -282,7 +282,7 @@ class NodeAgent:
         if decision.action not in ("restart", "rescreen") or self.failures.failures > self.config.max_restarts:
             return False  # the attempt ends; _after acts on the decision already taken
         self._set_state(AgentState.FAILED, rc=result.rc, failure_kind=decision.kind.value, detail=decision.detail,
-                        failures=self.failures.failures, epoch=epoch, action="replace")
+                        failures=self.failures.failures, epoch=epoch, action="replace", counted=decision.counted)
         self.events.emit("agent.restart", reason=decision.kind.value, epoch=epoch, counted=decision.counted,
                          failures=self.failures.failures, action="replace", path="inprocess",
                          fault=f"{self.spec.node_id}/e{epoch}-a{self.attempt}-{self.failures.failures}")
@@ -291,7 +291,7 @@ class NodeAgent:
 
     def _act(self, decision: Decision, result: AttemptResult, epoch: int) -> int | None:
         self._set_state(AgentState.FAILED, rc=result.rc, failure_kind=decision.kind.value, detail=decision.detail,
-                        failures=self.failures.failures, epoch=epoch, action=decision.action)
+                        failures=self.failures.failures, epoch=epoch, action=decision.action, counted=decision.counted)
         if decision.action == "stop":
             return self.leave.stop_run(decision.reason)
         if decision.action == "exclude":
