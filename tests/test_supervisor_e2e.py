@@ -75,6 +75,9 @@ def test_nan_loss_rolls_back_and_skips_the_batch(tmp_path, subprocess_env_sessio
     assert s["final_checksum"] and s["final_checksum"] != baseline_run["summary"]["final_checksum"]
 
 
+# Long tier (pytest -m soak): the stop after max_rollbacks is test_runstate.py's policy test; a NaN
+# rolled back end to end is test_nan_loss_rolls_back_and_skips_the_batch above.
+@pytest.mark.soak
 def test_repeated_numerics_failures_stop_with_a_report(tmp_path, subprocess_env_session):
     agent = {**FAST_AGENT, "failure": {"max_rollbacks": 1}}
     config = write_run_config(tmp_path, agent=agent)
