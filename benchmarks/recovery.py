@@ -169,11 +169,15 @@ def measure(events: list[dict], kill_ts: float, started: float, ended: float, no
     steps = sorted((e for e in events if e["kind"] == "trainer.step"), key=lambda e: e["ts"])
     committed = [e for e in steps if e.get("committed", True)]
     last_before = max(e["step"] for e in committed if e["ts"] <= kill_ts)
-    # Workers that (re)started or re-formed after the fault; their first committed step ends recovery.
+    # Workers that (re)started or re-formed after the fault; their first committed step after that ends
+    # recovery.  A survivor re-forms in the same process, so a step it committed after the kill but before
+    # it noticed (the dead rank had already done its part of that step's collectives) does not count.
     came_back = [e for e in events if e["kind"] in ("trainer.start", "trainer.recovered") and e["ts"] > kill_ts]
-    new_pids = {e["pid"] for e in came_back}
+    back_at: dict[int, float] = {}
+    for e in came_back:
+        back_at[e["pid"]] = min(back_at.get(e["pid"], e["ts"]), e["ts"])
     after = [e for e in committed if e["ts"] > kill_ts
-             and (e["pid"] in new_pids or e.get("participants", nodes) < nodes)]
+             and (e["ts"] > back_at.get(e["pid"], float("inf")) or e.get("participants", nodes) < nodes)]
     resumed = min((e["step"] for e in came_back if e.get("mode") != "replicas"), default=None)
     discarded = {e["step"] for e in steps if not e.get("committed", True) and e["ts"] > kill_ts}
     redone = (last_before - resumed) if resumed is not None else 0
