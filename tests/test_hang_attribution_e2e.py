@@ -47,5 +47,7 @@ def test_a_blocked_rank_is_named_from_its_stack_and_excluded_when_it_repeats(tmp
     innermost = main_thread(parse_threads((run / stack_file).read_text()))[0]
     assert innermost[0].endswith("elastic/worker/faults.py") and innermost[2] == "before_step"  # asleep there
     verdicts = [e for e in events if e["kind"] == "agent.hang_attribution"]
-    assert {e["source"] for e in verdicts} == {"agent/node0", "agent/node1"}  # every agent reached the verdict
+    # The culprit's agent reaches the verdict; node0's agent reaches it too unless node1's acted first and
+    # node0's workers were already re-forming (a race seen under load); whoever reaches one names node1.
+    assert "agent/node1" in {e["source"] for e in verdicts} <= {"agent/node0", "agent/node1"}
     assert all([c["node"] for c in e["culprits"]] == ["node1"] for e in verdicts)
