@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from elastic.checkpoint.statedict import SnapshotStateDict
 from elastic.common.config import ConfigError
 from elastic.run.schema import dump_run_file
 from elastic.worker.session import NumericsRollback, WorkerSession, exit_process, run_worker
@@ -59,9 +60,16 @@ class TrainState(Stateful):
         self.sampler = sampler
         self.guard = guard
         self.step = 0
+        self._snapshot_sd = SnapshotStateDict(model, optim)
 
     def state_dict(self) -> dict[str, Any]:
-        model_sd, optim_sd = get_state_dict(self.model, self.optim)
+        return self._with(*get_state_dict(self.model, self.optim))
+
+    def snapshot_state_dict(self) -> dict[str, Any]:
+        """The same tree for a per-step memory snapshot, without DCP's per-call cost."""
+        return self._with(*self._snapshot_sd())
+
+    def _with(self, model_sd: dict[str, Any], optim_sd: dict[str, Any]) -> dict[str, Any]:
         return {
             "model": model_sd,
             "optim": optim_sd,
@@ -226,6 +234,7 @@ class DiTRun:
             part.backward()
             loss += part.detach()
         global_loss = loss.detach().clone()
+        self.session.commit_point()
         dist.all_reduce(global_loss, op=dist.ReduceOp.AVG)
         self.average_replicas(global_loss)
         self.grad_norm = global_grad_norm(self.model)

@@ -26,6 +26,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.fsdp import fully_shard
 
+from elastic.checkpoint.statedict import SnapshotStateDict
 from elastic.worker.session import NumericsRollback, WorkerSession, exit_process, run_worker
 from trainer.collectives import all_finite
 from trainer.minimal_config import MLPTrainerConfig
@@ -65,9 +66,15 @@ class AppState(Stateful):
         self.model = model
         self.optim = optim
         self.step = step
+        self._snapshot_sd = SnapshotStateDict(model, optim)
 
     def state_dict(self) -> dict[str, Any]:
         model_sd, optim_sd = get_state_dict(self.model, self.optim)
+        return {"model": model_sd, "optim": optim_sd, "step": self.step}
+
+    def snapshot_state_dict(self) -> dict[str, Any]:
+        """The same tree for a per-step memory snapshot, without DCP's per-call cost."""
+        model_sd, optim_sd = self._snapshot_sd()
         return {"model": model_sd, "optim": optim_sd, "step": self.step}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -120,6 +127,7 @@ class MLPRun:
             self.session.agent.report_numerics(step, "non-finite loss")
             raise NumericsRollback(step, "non-finite loss")
         self.optim.zero_grad(set_to_none=True)
+        self.session.commit_point()  # the backward's reduce-scatters are the step's last collectives
         loss.backward()
         self.optim.step()
         self.session.end_step(step, float(loss.detach()))

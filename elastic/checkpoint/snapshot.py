@@ -23,6 +23,7 @@ the same on every rank and come from the first old rank.
 from __future__ import annotations
 
 import io
+import statistics
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -70,6 +71,18 @@ def _capture(tree: Any) -> Any:
     return tree
 
 
+def snapshot_state_dicts(state: Mapping[str, Any]) -> dict[str, Any]:
+    """Like :func:`as_state_dicts`, through a Stateful's cheap ``snapshot_state_dict()`` where it has
+    one (the same tree, checked: :mod:`elastic.checkpoint.statedict`)."""
+    return {key: _state_of(value) for key, value in state.items()}
+
+
+def _state_of(value: Any) -> Any:
+    if hasattr(value, "snapshot_state_dict"):
+        return value.snapshot_state_dict()
+    return value.state_dict() if isinstance(value, Stateful) else value
+
+
 def capture(state: Mapping[str, Any], step: int, gen: int, rank: int, world: int,
             extra: dict[str, Any] | None = None) -> Snapshot:
     """A copy of this rank's state after ``step`` (its local shards): cheap memcpy on the training thread."""
@@ -78,11 +91,26 @@ def capture(state: Mapping[str, Any], step: int, gen: int, rank: int, world: int
         buf = io.BytesIO()
         torch.save(extra, buf)
         blob = buf.getvalue()
-    return Snapshot(step, gen, rank, world, _capture(as_state_dicts(state)), blob)
+    return Snapshot(step, gen, rank, world, _capture(snapshot_state_dicts(state)), blob)
 
 
 def extra_of(snapshot: Snapshot) -> dict[str, Any]:
     return torch.load(io.BytesIO(snapshot.extra), weights_only=True) if snapshot.extra else {}
+
+
+@dataclass
+class SnapshotCosts:
+    """What per-step snapshots cost the training thread: the copy, and waiting for the previous push."""
+
+    capture_s: list[float]
+    wait_s: list[float]
+
+    def summary(self, push_s: list[float]) -> dict[str, Any]:
+        def ms(values: list[float]) -> float | None:
+            return round(statistics.median(values) * 1000, 3) if values else None
+        return {"snapshots": len(self.capture_s), "capture_ms_median": ms(self.capture_s),
+                "wait_ms_median": ms(self.wait_s), "push_ms_median": ms(push_s),
+                "blocked_ms_total": round((sum(self.capture_s) + sum(self.wait_s)) * 1000, 1)}
 
 
 class SnapshotRing:
@@ -126,6 +154,7 @@ class SnapshotPusher:
         self._thread: threading.Thread | None = None
         self.last_pushed: int | None = None
         self.failures = 0
+        self.push_s: list[float] = []  # each push's duration on the background thread (stats())
 
     def push(self, snapshot: Snapshot) -> None:
         self.wait()
@@ -153,8 +182,9 @@ class SnapshotPusher:
             self.events.emit("snapshot.push_failed", step=snapshot.step, error=f"{type(exc).__name__}: {exc}"[:300])
             return
         self.last_pushed = snapshot.step
+        self.push_s.append(time.monotonic() - t0)
         if snapshot.step % 50 == 0 or self.failures:
-            self.events.emit("snapshot.pushed", step=snapshot.step, bytes=nbytes, push_s=round(time.monotonic() - t0, 6))
+            self.events.emit("snapshot.pushed", step=snapshot.step, bytes=nbytes, push_s=round(self.push_s[-1], 6))
 
 
 # -- restore ---------------------------------------------------------------------------------------
