@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -29,6 +30,7 @@ from elastic.checkpoint.memstate import MemStateError
 from elastic.checkpoint.snapshot import (
     Snapshot,
     SnapshotError,
+    SnapshotCosts,
     SnapshotPusher,
     SnapshotRing,
     capture,
@@ -61,6 +63,19 @@ def is_peer_failure(exc: BaseException) -> bool:
     return False
 
 
+class PhaseClock:
+    """Durations of a recovery's phases, for the ``trainer.recovered`` event."""
+
+    def __init__(self) -> None:
+        self.laps: dict[str, float] = {}
+        self._t = time.monotonic()
+
+    def lap(self, name: str) -> None:
+        now = time.monotonic()
+        self.laps[name] = round(now - self._t, 4)
+        self._t = now
+
+
 class InProcess:
     """One worker's part in in-process recovery: snapshots, generations, re-formation."""
 
@@ -74,10 +89,13 @@ class InProcess:
                                 RunKeys(env.run_prefix), self.epoch)
         self.client = MemStateClient(env.memstate_addr, env.memstate_token, 30.0) if env.memstate_addr else None
         self.ring = SnapshotRing()
+        self.snapshots_on = env.snapshots != "0"
+        self.costs = SnapshotCosts([], [])
         self.pusher = SnapshotPusher(self.client, env.node_id, local_rank, self.epoch, events) if self.client else None
         self.gen = int(env.join_gen) if env.join_gen else 0
         self.rank = -1
         self.plan: Plan | None = None
+        self.phases: dict[str, float] = {}  # the last re-formation's (PhaseClock)
 
     @classmethod
     def from_env(cls, local_rank: int, events: EventLog) -> InProcess | None:
@@ -98,19 +116,30 @@ class InProcess:
             self.gens.register(self.slot, rank)
 
     def snapshot(self, step: int, state: dict[str, Any], extra: dict[str, Any], world: int) -> None:
+        if not self.snapshots_on:
+            return
+        t0 = time.monotonic()
         snap = capture(state, step, self.gen, self.rank, world, extra)
         self.ring.add(snap)
+        self.costs.capture_s.append(time.monotonic() - t0)
         if self.pusher is not None:
             self.pusher.push(snap)
 
     def before_collectives(self) -> None:
         """The previous step's snapshot must be off-process before this step's first collective."""
         if self.pusher is not None:
+            t0 = time.monotonic()
             self.pusher.wait()
+            self.costs.wait_s.append(time.monotonic() - t0)
+
+    def snapshot_costs(self) -> dict[str, Any]:
+        """For the done event: what the snapshots cost this rank's training thread (and the pushes)."""
+        return self.costs.summary(self.pusher.push_s if self.pusher is not None else [])
 
     # -- a fault ---------------------------------------------------------------------------
     def reform(self, backend: str, pg_timeout: timedelta) -> Plan:
         """Leave the failed generation and form the next one; returns its plan (process groups are up)."""
+        clock = PhaseClock()
         previous = self.gens.ranks(self.gen)
         if self.pusher is not None:
             self.pusher.wait()
@@ -118,13 +147,16 @@ class InProcess:
             shut = sever_connections(self._keep_ports())
             self.events.emit("recovery.severed", connections=shut, gen=self.gen)
             dist.destroy_process_group()
+        clock.lap("teardown_s")
         target = self.gen + (0 if self.joining and self.plan is None else 1)
         newest = self.ring.newest()
         self.gens.join(target, self.slot, pid=os.getpid(), old_rank=self.rank,
                        snapshot_step=newest.step if newest else None)
         plan = self.gens.wait_plan(target, self._previous(target, previous), self.join_timeout_s)
+        clock.lap("generation_s")
         self._init_group(plan, backend, pg_timeout)
-        self.gen, self.plan = plan.gen, plan
+        clock.lap("process_group_s")
+        self.gen, self.plan, self.phases = plan.gen, plan, clock.laps
         return plan
 
     def _keep_ports(self) -> set[int]:
