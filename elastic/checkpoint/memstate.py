@@ -45,6 +45,8 @@ log = logging.getLogger(__name__)
 
 _MAX_HEADER = 64 * 1024
 _CHUNK = 4 << 20
+_PEEK = 4096
+_IOV_MAX = 512  # below Linux's IOV_MAX (1024) per sendmsg
 
 
 class MemStateError(RuntimeError):
@@ -129,15 +131,20 @@ def sha256_chunks(chunks: list[Chunk]) -> tuple[str, int]:
 
 
 def _read_line(sock: socket.socket) -> dict[str, Any]:
+    """The JSON header line.  Peeks for its end and then consumes exactly that much, so the body
+    stays unread: two system calls instead of one per byte (a snapshot push reads two headers on
+    each of two agents every step: byte-wise that was ~1 ms of an agent's CPU per push)."""
     buf = bytearray()
-    while not buf.endswith(b"\n"):
-        chunk = sock.recv(1)  # headers are short; reading byte-wise keeps the body untouched
-        if not chunk:
+    while True:
+        peek = sock.recv(_PEEK, socket.MSG_PEEK)
+        if not peek:
             raise ConnectionError("connection closed before the header ended")
-        buf += chunk
+        end = peek.find(b"\n")
+        buf += _read_exact(sock, len(peek) if end < 0 else end + 1)
+        if end >= 0:
+            return json.loads(buf)
         if len(buf) > _MAX_HEADER:
             raise ValueError("header too long")
-    return json.loads(buf)
 
 
 def _read_exact(sock: socket.socket, nbytes: int) -> bytearray:
@@ -153,9 +160,18 @@ def _read_exact(sock: socket.socket, nbytes: int) -> bytearray:
 
 
 def _send(sock: socket.socket, header: dict[str, Any], *body: Chunk) -> None:
-    sock.sendall(json.dumps(header).encode() + b"\n")
-    for chunk in body:
-        sock.sendall(chunk)
+    """The header line and the body's chunks with vectored writes (a snapshot is ~200 chunks: one
+    sendall each cost a system call and a trip through Python per chunk)."""
+    views = [view for view in (memoryview(c).cast("B") for c in (json.dumps(header).encode() + b"\n", *body))
+             if view.nbytes]
+    first = 0
+    while first < len(views):
+        sent = sock.sendmsg(views[first:first + _IOV_MAX])
+        while first < len(views) and sent >= views[first].nbytes:
+            sent -= views[first].nbytes
+            first += 1
+        if sent:
+            views[first] = views[first][sent:]
 
 
 class MemStateCache:
