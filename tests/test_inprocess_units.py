@@ -132,3 +132,14 @@ def test_buddy_is_the_next_live_node_of_the_ring():
     assert ring_successor("n1", nodes)[0] == "n3"
     assert ring_successor("n3", nodes)[0] == "n0"  # wraps around
     assert ring_successor("n0", {"n0": nodes["n0"]}) is None
+
+
+def test_snapshots_off_reaches_the_workers_environment():
+    from elastic.agent.config import InProcessConfig
+    from elastic.agent.inprocess import inprocess_env
+    from elastic.common.env import WorkerEnv
+
+    on = WorkerEnv.from_env(WorkerEnv(**inprocess_env(None, InProcessConfig())).to_env())
+    off = WorkerEnv.from_env(WorkerEnv(**inprocess_env(None, InProcessConfig(snapshots=False))).to_env())
+    assert (on.snapshots, off.snapshots) == ("1", "0")
+    assert WorkerEnv(**inprocess_env(None, None)).snapshots == ""  # in-process recovery off: nothing said

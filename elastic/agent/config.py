@@ -99,6 +99,10 @@ class InProcessConfig:
     """How long workers wait for the next generation to form before falling back to a restart."""
     probe_timeout_s: float = 1.0
     """Connect timeout of the probe that tells a lost node (its agent unreachable) from a slow one."""
+    snapshots: bool = True
+    """Per-step memory snapshots (the first checkpoint tier).  false: none are taken, so an in-process
+    re-formation has nothing to restore from memory and falls back to the restart path and the newest
+    disk checkpoint; for measuring their cost (``benchmarks/recovery.py``) or a host too short of memory."""
     snapshot_mib: int = 4096
     """Memory the agent may hold for per-step snapshots (its workers' and its buddy node's)."""
 

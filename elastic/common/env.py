@@ -28,6 +28,8 @@ MEMSTATE_ADDR_ENV = "ELASTIC_MEMSTATE_ADDR"
 MEMSTATE_TOKEN_ENV = "ELASTIC_MEMSTATE_TOKEN"
 INPROCESS_ENV = "ELASTIC_INPROCESS"
 """In-process recovery on: how long (s) a worker waits for the next generation to form."""
+SNAPSHOTS_ENV = "ELASTIC_SNAPSHOTS"
+"""``0``: in-process recovery without per-step memory snapshots (agent.inprocess.snapshots: false)."""
 JOIN_GEN_ENV = "ELASTIC_JOIN_GEN"
 """Set for a warm spare taking over a dead worker's slot: the generation it joins."""
 SCREEN_ENV = "ELASTIC_SCREEN"
@@ -53,6 +55,7 @@ class WorkerEnv:
     memstate_addr: str = ""
     memstate_token: str = ""
     inprocess: str = ""
+    snapshots: str = ""
     join_gen: str = ""
     agent_pid: str = ""
     local_addr: str = ""
@@ -72,6 +75,6 @@ _NAMES = {
     "etcd_endpoint": ETCD_ENDPOINT_ENV, "run_prefix": RUN_PREFIX_ENV, "epoch": EPOCH_ENV,
     "pg_timeout": PG_TIMEOUT_ENV, "skip_steps": SKIP_STEPS_ENV,
     "memstate_addr": MEMSTATE_ADDR_ENV, "memstate_token": MEMSTATE_TOKEN_ENV,
-    "inprocess": INPROCESS_ENV, "join_gen": JOIN_GEN_ENV, "agent_pid": AGENT_PID_ENV,
+    "inprocess": INPROCESS_ENV, "snapshots": SNAPSHOTS_ENV, "join_gen": JOIN_GEN_ENV, "agent_pid": AGENT_PID_ENV,
     "local_addr": LOCAL_ADDR_ENV, "screen": SCREEN_ENV,
 }
