@@ -25,9 +25,12 @@ Measured per mode, from the trainers' event logs:
                    replicas, whose survivors train some steps with fewer groups)
   goodput          steps of the final trajectory x the median step time, over the wall time
   wall_s           launch -> every process exited
-Top level: ``ratio_inprocess_vs_torchrun_c10d`` and ``ratio_replicas_vs_torchrun_c10d`` (recovery_s), ``snapshot_step_ratio`` (median step time
-with per-step snapshots (inprocess, fault-free) over without (runtime_ckpt, fault-free)), the load
-average before and after.  Prints one JSON object; ``--json PATH`` writes it too.
+Top level: ``ratio_inprocess_vs_torchrun_c10d`` and ``ratio_replicas_vs_torchrun_c10d`` (recovery_s),
+``snapshot_step_ratio``: the in-process mode's median step interval (rank 0, step to step, so the
+snapshot's copy on the training thread counts) with per-step snapshots over without
+(``agent.inprocess.snapshots: false``), fault-free, the median of ``--snapshot-pairs`` alternating
+pairs (details under ``snapshot_overhead``); ``inprocess_vs_runtime_ckpt_step_ratio`` (the same
+interval, in-process mode over in-process off); the load average before and after.  Prints one JSON object; ``--json PATH`` writes it too.
 """
 
 from __future__ import annotations
@@ -113,10 +116,10 @@ def overrides(args, mode: str) -> dict:
     return extra
 
 
-def run_mode(args, work: Path, mode: str, faulty: bool) -> dict:
-    name = f"{mode}-{'fault' if faulty else 'clean'}"
+def run_mode(args, work: Path, mode: str, faulty: bool, extra: dict | None = None, tag: str = "") -> dict:
+    name = f"{mode}-{'fault' if faulty else 'clean'}{tag}"
     run_dir = work / name
-    config = make_config(args, run_dir, f"bench-{name}", overrides(args, mode), trainer=args.trainer)
+    config = make_config(args, run_dir, f"bench-{name}", {**overrides(args, mode), **(extra or {})}, trainer=args.trainer)
     source = "trainer/node1/rank0" if mode == "replicas" else "trainer/rank1"
     fault = FAULTS[args.fault] if faulty else None
     started = time.time()
@@ -159,10 +162,35 @@ def _median_step(steps: list[dict]) -> float:
     return statistics.median(ref) if ref else 0.0
 
 
+def _median_interval(steps: list[dict]) -> float:
+    """Rank 0's median time from one committed step's event to the next: unlike ``step_time`` it
+    includes what runs between steps on the training thread (a snapshot's copy, a save's staging)."""
+    ts = sorted(e["ts"] for e in steps if e["source"] in ("trainer/rank0", "trainer/node0/rank0"))
+    return statistics.median(b - a for a, b in zip(ts, ts[1:])) if len(ts) > 1 else 0.0
+
+
 def clean_measure(events: list[dict], started: float, ended: float) -> dict:
     steps = [e for e in events if e["kind"] == "trainer.step" and e.get("committed", True)]
-    return {"median_step_s": round(_median_step(steps), 5), "wall_s": round(ended - started, 2),
-            "completed": max((e["step"] for e in steps), default=0)}
+    done = [e["snapshot"] for e in events if e["kind"] == "trainer.done" and e.get("snapshot")]
+    return {"median_step_s": round(_median_step(steps), 5), "median_interval_s": round(_median_interval(steps), 5),
+            "wall_s": round(ended - started, 2), "completed": max((e["step"] for e in steps), default=0),
+            **({"snapshot_costs_rank0": done[0]} if done else {})}
+
+
+def snapshot_overhead(args, work: Path) -> dict:
+    """The in-process mode fault-free with per-step snapshots off and on, in alternating pairs (the
+    host's load drifts between runs by more than the effect): the median over pairs of on/off of the
+    median step interval."""
+    pairs = []
+    for i in range(args.snapshot_pairs):
+        off = run_mode(args, work, "inprocess", False, {"agent.inprocess.snapshots": False}, tag=f"-nosnap{i}")
+        on = run_mode(args, work, "inprocess", False, tag=f"-snap{i}")
+        pairs.append({"off_interval_s": off["median_interval_s"], "on_interval_s": on["median_interval_s"],
+                      "off_step_s": off["median_step_s"], "on_step_s": on["median_step_s"],
+                      "ratio": round(on["median_interval_s"] / off["median_interval_s"], 4),
+                      "capture_ms_median_rank0": on.get("snapshot_costs_rank0", {}).get("capture_ms_median"),
+                      "push_ms_median_rank0": on.get("snapshot_costs_rank0", {}).get("push_ms_median")})
+    return {"pairs": pairs, "ratio": round(statistics.median(p["ratio"] for p in pairs), 3) if pairs else None}
 
 
 def measure(events: list[dict], kill_ts: float, started: float, ended: float, nodes: int) -> dict:
@@ -186,6 +214,7 @@ def measure(events: list[dict], kill_ts: float, started: float, ended: float, no
     paths = sorted({e.get("path", "restart") for e in events if e["kind"] == "trainer.recovered" and e["ts"] > kill_ts})
     return {
         "recovery_s": round(after[0]["ts"] - kill_ts, 3) if after else None,
+        **({"breakdown": breakdown(events, kill_ts, after[0]["ts"])} if after else {}),
         "steps_lost": redone + len(discarded),
         "last_step_before_fault": last_before,
         "resumed_from": resumed,
@@ -196,6 +225,27 @@ def measure(events: list[dict], kill_ts: float, started: float, ended: float, no
         "restarted_processes": len({e["pid"] for e in events if e["kind"] == "trainer.start" and e["ts"] > kill_ts}),
         "recovered_in_process": paths == ["inprocess"],
     }
+
+
+def breakdown(events: list[dict], kill_ts: float, first_step_ts: float) -> dict | None:
+    """Where an in-process recovery's time went, from the workers' events (seconds after the kill):
+    the first survivor's notice, each phase's slowest rank (teardown of the old process groups, the
+    etcd generation round, new process groups, model/FSDP build, restore from memory), the last
+    rank's ``trainer.recovered``, then the first committed step."""
+    recovered = [e for e in events if e["kind"] == "trainer.recovered" and e["ts"] > kill_ts and e.get("phases")]
+    if not recovered:
+        return None
+    noticed = [e["ts"] for e in events if e["kind"] == "trainer.peer_lost" and e["ts"] > kill_ts]
+    phases: dict[str, float] = {}
+    for e in recovered:
+        for name, value in e["phases"].items():
+            phases[name] = max(phases.get(name, 0.0), value)
+    last = max(e["ts"] for e in recovered)
+    return {"noticed_s": round(min(noticed) - kill_ts, 3) if noticed else None,
+            "phases_slowest_rank_s": {k: round(v, 3) for k, v in phases.items()},
+            "all_recovered_s": round(last - kill_ts, 3),
+            "first_step_after_recovered_s": round(first_step_ts - last, 3),
+            "spare_joined": any(e["kind"] == "trainer.start" and e["ts"] > kill_ts for e in events)}
 
 
 def load_avg() -> float:
@@ -214,6 +264,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--preflight", action="store_true", help="keep the agents' diag screens on")
     p.add_argument("--keep", help="keep run directories here instead of a temporary directory")
     p.add_argument("--only", choices=MODES, action="append")
+    p.add_argument("--snapshot-pairs", type=int, default=2,
+                   help="fault-free in-process runs with snapshots off/on for snapshot_step_ratio (0: skip)")
     p.add_argument("--json", dest="json_path", help="also write the JSON object to this file")
     args = p.parse_args(argv)
     args.steps = args.steps or (300 if args.trainer == "mlp" else 120)
@@ -235,6 +287,7 @@ def main(argv: list[str] | None = None) -> int:
             result["checksum_equal"] = bool(result["final_checksum"]) and result["final_checksum"] == clean["final_checksum"]
             result["fault_free"] = clean
             results[mode] = result
+        overhead = snapshot_overhead(args, work) if "inprocess" in modes else None
     report = {
         "benchmark": "recovery",
         "setup": {"nodes": args.nodes, "nproc_per_node": 1, "trainer": args.trainer, "fault": args.fault,
@@ -245,6 +298,9 @@ def main(argv: list[str] | None = None) -> int:
         **results,
     }
     report.update(ratios(results))
+    if overhead is not None:
+        report["snapshot_overhead"] = overhead
+        report["snapshot_step_ratio"] = overhead["ratio"]
     text = json.dumps(report, indent=1)
     print(text)
     if args.json_path:
@@ -260,8 +316,10 @@ def ratios(results: dict[str, dict]) -> dict:
     replicas = results.get("replicas")
     if a and replicas and a.get("recovery_s") and replicas.get("recovery_s"):
         out["ratio_replicas_vs_torchrun_c10d"] = round(replicas["recovery_s"] / a["recovery_s"], 3)
-    if i and r and r["fault_free"]["median_step_s"]:
-        out["snapshot_step_ratio"] = round(i["fault_free"]["median_step_s"] / r["fault_free"]["median_step_s"], 3)
+    if i and r and r["fault_free"]["median_interval_s"]:
+        # The whole default path's cost in steady state (snapshots, agent supervision) over in-process off.
+        out["inprocess_vs_runtime_ckpt_step_ratio"] = round(
+            i["fault_free"]["median_interval_s"] / r["fault_free"]["median_interval_s"], 3)
     return out
 
 
