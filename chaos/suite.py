@@ -9,7 +9,8 @@ before and after).  Final weights are compared bitwise with the job's own fault-
 where the fault cannot change the data seen (kills, hangs, etcd faults, checkpoint damage: the
 run resumes from a commit and replays the same batches); after a NaN the run skips a batch, so
 it is compared with a fault-free *replay* that skips the same batches; a lost or excluded node
-changes the world size, so there only finite weights are checked, and the detail says so.
+changes the world size, so there only finite weights are checked, and the detail says so (the
+baseline is not run when no chosen scenario compares with it: ``--only partition``).
 
 A scenario the job cannot run (a shrink the global batch does not divide, a partition without
 network namespaces) is listed as skipped with the reason, never silently dropped.
@@ -261,8 +262,14 @@ def _choose(cfg: SuiteConfig, job: Job, quick: bool) -> tuple[list[Scenario], li
     return [s for s in chosen if not s.skipped], [s for s in chosen if s.skipped]
 
 
+def needs_baseline(runnable: list[Scenario]) -> bool:
+    """The fault-free run is only a reference: skipped when no chosen scenario compares weights with it."""
+    return any(s.expect.bitwise for s in runnable)
+
+
 def _launch_all(cfg: SuiteConfig, job: Job, runnable: list[Scenario], stamp: str, echo) -> dict[str, tuple]:
-    jobs: list[tuple[Scenario | None, str]] = [(None, "baseline")] + [(s, s.name) for s in runnable]
+    jobs: list[tuple[Scenario | None, str]] = [(None, "baseline")] * needs_baseline(runnable) \
+        + [(s, s.name) for s in runnable]
     done: dict[str, tuple] = {}
     with ThreadPoolExecutor(max_workers=cfg.jobs) as pool:
         futures = {name: pool.submit(run_scenario, scenario, name, cfg, job, stamp) for scenario, name in jobs}
@@ -298,12 +305,14 @@ def run_suite(cfg: SuiteConfig, quick: bool = False, echo=print) -> dict[str, An
     stamp = f"{int(time.time()) % 1000000:06d}"
     t0 = time.monotonic()
     echo(f"chaos suite: {job.config.name} ({job.cfg.workload().name if job.cfg.workload() else 'custom'}), "
-         f"baseline + {len(runnable)} scenarios on {len(job.nodes)} nodes, {job.steps} steps, checkpoint every "
+         f"{'baseline + ' if needs_baseline(runnable) else ''}{len(runnable)} scenarios on {len(job.nodes)} nodes, {job.steps} steps, checkpoint every "
          f"{job.interval}; {len(skipped)} skipped")
     done = _launch_all(cfg, job, runnable, stamp, echo)
-    base = check(*done["baseline"], Expectation(steps=job.steps, bitwise=False, note="reference run"), None)
-    reference = base["result"]["final_checksum"]
-    results, replays = [base], []
+    results, replays, reference = [], [], None
+    if "baseline" in done:
+        base = check(*done["baseline"], Expectation(steps=job.steps, bitwise=False, note="reference run"), None)
+        reference = base["result"]["final_checksum"]
+        results.append(base)
     for s in runnable:
         ref, replay = _reference(s, done, reference, cfg, job, stamp, echo)
         replays += [replay] if replay else []
@@ -312,7 +321,8 @@ def run_suite(cfg: SuiteConfig, quick: bool = False, echo=print) -> dict[str, An
     report = {"job": str(job.config), "workload": job.cfg.workload().name if job.cfg.workload() else "custom",
               "nodes": len(job.nodes), "steps": job.steps, "checkpoint_interval": job.interval, "sets": cfg.sets,
               "etcd": cfg.etcd_endpoint or "chaos-started (loopback)", "jobs": cfg.jobs,
-              "baseline_checksum": reference, "ok": not failed and reference is not None, "failed": failed,
+              "baseline_checksum": reference, "failed": failed,
+              "ok": not failed and (reference is not None or not needs_baseline(runnable)),
               "skipped": [{"name": s.name, "reason": s.skipped} for s in skipped], "replays": replays,
               "elapsed_s": round(time.monotonic() - t0, 1), "scenarios": results}
     write_json(report, cfg.out_dir / "report.json")
