@@ -5,9 +5,10 @@ shard, with the global shape beside it; plain values as they are) into host memo
 :func:`capture`.  The copy is kept in-process (the last two steps, :class:`SnapshotRing`) and
 pushed, serialized, to the node agent's store, which replicates it synchronously to a buddy
 node's agent (:mod:`elastic.checkpoint.memstate`).  The push runs on a background thread and
-must be done before the next step's first collective (:meth:`SnapshotPusher.wait`): then any rank
-that completed step s has every peer's step s-1 or later stored off-process, so a lost worker or
-a lost node costs at most one step.
+must be done before one of the next step's collectives that every rank passes to finish that step
+(:meth:`SnapshotPusher.wait`, called from the trainer's ``session.commit_point()`` before its last
+collectives, else at the step's start): then any rank that completed step s has every peer's step
+s-1 or later stored off-process, so a lost worker or a lost node costs at most one step.
 
 Restoring into a freshly built model (:func:`restore`):
 

@@ -126,7 +126,7 @@ class InProcess:
             self.pusher.push(snap)
 
     def before_collectives(self) -> None:
-        """The previous step's snapshot must be off-process before this step's first collective."""
+        """The previous step's snapshot must be off-process before this step's last collectives."""
         if self.pusher is not None:
             t0 = time.monotonic()
             self.pusher.wait()
