@@ -18,8 +18,8 @@ from elastic.common.events import EventLog
 from elastic.control.keys import RunKeys
 from elastic.control.leader import ClusterPolicy, LeaderConfig, LeaderLoop
 from elastic.control.memstore import FakeClock, MemoryStore
-from elastic.control.runstate import RunState
-from elastic.control.store import LeaseExpired
+from elastic.control.runstate import RunSignals, RunState
+from elastic.control.store import EtcdStore, LeaseExpired
 
 
 @pytest.fixture
@@ -62,6 +62,27 @@ def test_exclusions_expire_on_the_clock_and_carry_extra_fields(state, clock):
     assert set(state.exclusions.all()) == {"n2"}
     state.exclusions.clear("n2")
     assert state.exclusions.all() == {}
+
+
+def _signals_follow_the_records(state, clock) -> None:
+    assert state.signals("n1") == RunSignals(0, None, None)
+    state.bump_epoch(0)
+    state.exclusions.add("n1", "diag: ecc", ttl_s=60, by="diag")
+    state.request_stop("operator", by="ops")
+    got = state.signals("n1")
+    assert (got.epoch, got.excluded["reason"], got.stop["by"]) == (1, "diag: ecc", "ops")
+    assert state.signals("n2").excluded is None
+    clock.advance(61)
+    assert state.signals("n1").excluded is None  # expired, as exclusions.get() says
+
+
+def test_signals_read_epoch_exclusion_and_stop_at_once(state, clock):
+    _signals_follow_the_records(state, clock)
+
+
+def test_signals_against_a_real_etcd(etcd_endpoint):
+    clock = FakeClock()
+    _signals_follow_the_records(RunState(EtcdStore(etcd_endpoint), RunKeys.of("/elastic", "sig"), clock=clock), clock)
 
 
 def test_rollback_is_recorded_once_per_failure_and_a_repeat_stops(state):

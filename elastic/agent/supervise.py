@@ -160,9 +160,8 @@ class Supervisor:
     def _poll_run(self, attempt: TorchrunAttempt, epoch: int) -> AttemptResult | None:
         """Run-wide signals in etcd: a new epoch, this node's exclusion, a stop of the run."""
         try:
-            current = self.state.epoch()
-            excluded = self.state.exclusions.get(self.node_id)
-            stop = self.state.stop_record()
+            signals = self.state.signals(self.node_id)
+            current, excluded, stop = signals.epoch, signals.excluded, signals.stop
         except StoreError as exc:
             # etcd unreachable: keep training; the workers do not need etcd between rendezvous.
             self.events.emit("agent.store_error", op="poll", error=str(exc))

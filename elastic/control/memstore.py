@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from elastic.control.store import KeyValue, LeaseExpired, StoreTimeout, WatchEvent
+from elastic.control.txn import Count, Get, Range, Txn, TxnResult
 
 
 class FakeClock:
@@ -101,6 +102,20 @@ class MemoryStore:
         with self._cond:
             self._expire()
             return self._kvs.get(key), self._revision
+
+    def txn(self, txn: Txn) -> TxnResult:
+        """Read-only transactions (no compares; Get, Range and Count), atomically: what
+        :meth:`RunState.signals` sends.  Transactions that write are not modelled here."""
+        if txn.compare or txn.failure or any(not isinstance(op, (Get, Range, Count)) for op in txn.success):
+            raise NotImplementedError("MemoryStore models read-only transactions only")
+        with self._cond:
+            self._expire()
+            results = [self._kvs.get(op.key) if isinstance(op, Get) else
+                       self._in(op.prefix) if isinstance(op, Range) else len(self._in(op.prefix)) for op in txn.success]
+            return TxnResult(True, self._revision, results)
+
+    def _in(self, prefix: str) -> list[KeyValue]:
+        return [self._kvs[k] for k in sorted(self._kvs) if k.startswith(prefix)]
 
     def get_prefix(self, prefix: str) -> list[KeyValue]:
         with self._cond:

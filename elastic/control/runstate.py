@@ -18,6 +18,7 @@ from typing import Any
 
 from elastic.control.keys import RunKeys
 from elastic.control.store import KeyValue, KVStore
+from elastic.control.txn import Get, Txn
 
 Clock = Callable[[], float]
 
@@ -53,7 +54,11 @@ class Exclusions:
 
     def get(self, node_id: str) -> dict | None:
         """The active exclusion record of a node, or None (expired records count as absent)."""
-        record = decode(self.store.get(self.keys.excluded(node_id)))
+        return self.active(self.store.get(self.keys.excluded(node_id)))
+
+    def active(self, kv: KeyValue | None) -> dict | None:
+        """The record in ``kv`` if it excludes now (see :meth:`get`)."""
+        record = decode(kv)
         if record is None:
             return None
         if not record:
@@ -81,6 +86,15 @@ class RollbackVerdict:
     reason: str = ""
     skip: tuple[tuple[int, int], ...] = ()
     rollbacks: int = 0
+
+
+@dataclass(frozen=True)
+class RunSignals:
+    """The run-wide signals a running agent watches for (:meth:`RunState.signals`)."""
+
+    epoch: int
+    excluded: dict[str, Any] | None
+    stop: dict[str, Any] | None
 
 
 class RunState:
@@ -125,6 +139,14 @@ class RunState:
         if ok:
             return seen + 1, True
         return (int(now.value) if now else 0), False
+
+    def signals(self, node_id: str) -> RunSignals:
+        """What a running agent polls for, in one read-only transaction (a linearizable read, not a
+        raft proposal): three separate reads were 12 requests/s per agent at the 0.25 s poll."""
+        result = self.store.txn(Txn(success=[Get(self.keys.epoch), Get(self.keys.excluded(node_id)),
+                                             Get(self.keys.stop)]))
+        epoch, excluded, stop = result.results
+        return RunSignals(int(epoch.value) if epoch else 0, self.exclusions.active(excluded), decode(stop))
 
     # -- stop / done ------------------------------------------------------------
     def stop_record(self) -> dict[str, Any] | None:
