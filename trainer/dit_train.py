@@ -184,6 +184,10 @@ class DiTRun:
     def step(self, step: int) -> None:
         session, cfg = self.session, self.cfg
         session.begin_step(step)
+        if cfg.step_sleep:
+            # Stands in for device time (as in trainer.train): the CPU is free meanwhile, as it
+            # is while a GPU computes; the previous step's snapshot push runs beside it.
+            time.sleep(cfg.step_sleep)
         session.sync_point()
         indices = GlobalSampler.rank_slice(self.sampler.next_global_batch(), self.dp_rank, self.dp)
         if session.skip_step(step):
@@ -202,8 +206,6 @@ class DiTRun:
             if verdict.action == "rollback":
                 self.rollback(step, verdict.reason)
         self.train_state.step = step
-        if cfg.step_sleep:
-            time.sleep(cfg.step_sleep)
         step_time = session.step_time()
         tokens_per_s = self.tokens_per_step / step_time if step_time > 0 else None
         fp8 = fp8_stats(self.model)
