@@ -141,6 +141,37 @@ def test_unknown_fault_and_bad_params_are_refused_with_the_reason(state, tmp_pat
     assert "params.every" in result_of(state, "node1", bad)["refused"]
 
 
+def test_a_new_leader_declares_lost_the_old_leader_that_was_cut_off():
+    """The partitioned node was the leader: its heartbeat expires before the next leader's first
+    look.  The new leader compares with the view its predecessor left in etcd."""
+    clock = FakeClock()
+    store = MemoryStore(clock)
+    state = RunState(store, RunKeys.of("/elastic", "r1"), clock=clock)
+    leases = {n: store.grant_lease(4) for n in ("n0", "n1", "n2")}
+    for node, lease in leases.items():
+        state.put_heartbeat(node, {"epoch": 0, "step": 5}, lease=lease)
+    events = []
+
+    class Log:
+        def emit(self, kind, **fields):
+            events.append((kind, fields))
+
+    def loop(node: str) -> LeaderLoop:
+        return LeaderLoop(state, node, LeaderConfig(), ClusterPolicy(LeaderConfig(), lambda *a: None, Log()), Log())
+
+    loop("n2").evaluate()  # n2 leads and sees all three; then it is cut off from etcd
+    clock.advance(3)
+    for node in ("n0", "n1"):
+        store.refresh_lease(leases[node])
+    clock.advance(2)
+    successor = loop("n1")
+    successor.evaluate()  # its first look: n2's heartbeat is already gone
+    assert state.epoch() == 1
+    assert ("leader.node_lost", {"nodes": ["n2"], "epoch": 0, "new_epoch": 1, "bumped": True}) in events
+    successor.evaluate()  # a new epoch: a new baseline, nothing more is lost
+    assert state.epoch() == 1
+
+
 def test_leader_reforms_when_a_member_loses_its_lease():
     clock = FakeClock()
     store = MemoryStore(clock)

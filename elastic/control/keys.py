@@ -8,6 +8,8 @@ can be listed, inspected (``elastic status``) and cleaned up as one prefix range
     done                       {by, ts}: a node finished training
     numerics                   {ranges: [{lo, hi, epoch, by}], rollbacks}: batches skipped after NaNs
     leader                     {node, ts} on the leader's lease
+    leader_view                {epoch, members}: the nodes the last leader saw heartbeating in that
+                               epoch (no lease: a new leader compares with it, see leader.check_lost)
     nodes/<node>               node record on the node's lease (state, failures, metrics address)
     heartbeat/<node>           step, step time, epoch, on the node's lease
     excluded/<node>            exclusion record {reason, until, by, ts}
@@ -94,6 +96,10 @@ class RunKeys:
     @property
     def leader(self) -> str:
         return self._k("leader")
+
+    @property
+    def leader_view(self) -> str:
+        return self._k("leader_view")
 
     @property
     def checkpoint_latest(self) -> str:

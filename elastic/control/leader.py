@@ -259,8 +259,15 @@ class LeaderLoop:
 
     def check_lost(self, epoch: int, members: set[str]) -> None:
         """A node of this membership whose heartbeat vanished (its lease expired: crashed, partitioned
-        from etcd) makes the others re-form now, instead of each waiting out its collective timeout."""
-        seen, self._members = self._members, (epoch, members)
+        from etcd) makes the others re-form now, instead of each waiting out its collective timeout.
+
+        The view is kept in etcd too: a leader that just took over compares with its predecessor's
+        (the partitioned node may have been the leader; its heartbeat can vanish before the new
+        leader's first look, and without the stored view nobody declared it lost)."""
+        seen = self._members if self._members is not None else self.state.leader_view()
+        self._members = (epoch, members)
+        if seen != self._members:
+            self.state.set_leader_view(epoch, members)
         if seen is None or seen[0] != epoch:
             return
         lost = seen[1] - members

@@ -148,6 +148,16 @@ class RunState:
         epoch, excluded, stop = result.results
         return RunSignals(int(epoch.value) if epoch else 0, self.exclusions.active(excluded), decode(stop))
 
+    # -- the leader's membership view ----------------------------------------------
+    def leader_view(self) -> tuple[int, set[str]] | None:
+        record = self._record(self.keys.leader_view)
+        if not record or "epoch" not in record:
+            return None
+        return int(record["epoch"]), set(record.get("members", []))
+
+    def set_leader_view(self, epoch: int, members: set[str]) -> None:
+        self._put(self.keys.leader_view, {"epoch": epoch, "members": sorted(members)})
+
     # -- stop / done ------------------------------------------------------------
     def stop_record(self) -> dict[str, Any] | None:
         return self._record(self.keys.stop)
