@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -60,9 +59,9 @@ CPU_MODEL = {"preset": "", "input_size": 16, "in_channels": 4, "patch_size": 2, 
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from elastic.control.etcd_server import free_port
+
+    return free_port()
 
 
 def _cpu_worker(rank: int, world: int, port: int, variant: dict, args: argparse.Namespace, out_dir: str) -> None:

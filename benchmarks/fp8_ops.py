@@ -182,11 +182,9 @@ def _compiled_kernels(layer: nn.Module, x: torch.Tensor, g: torch.Tensor) -> int
 
 
 def _free_port() -> int:
-    import socket
+    from elastic.control.etcd_server import free_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_port()
 
 
 def _fit_worker(rank: int, world: int, port: int, impl: str, recipe: str, out_dir: str) -> None:

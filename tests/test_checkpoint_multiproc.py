@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -26,9 +25,9 @@ WORKER = Path(__file__).parent / "workers" / "checkpoint_worker.py"
 
 
 def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    from elastic.control.etcd_server import free_port
+
+    return free_port()
 
 
 def run_ranks(scenario: str, world: int, workdir: Path, env: dict[str, str], timeout: float = 60.0) -> list[int]:

@@ -32,9 +32,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from elastic.control.etcd_server import free_port
+
+    return free_port()
 
 
 @pytest.fixture

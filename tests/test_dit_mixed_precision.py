@@ -7,7 +7,6 @@ before the sinusoidal embedding (0.7 -> 0.69921875; at the embedding's highest f
 
 from __future__ import annotations
 
-import socket
 
 import pytest
 import torch
@@ -22,9 +21,9 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from elastic.control.etcd_server import free_port
+
+    return free_port()
 
 
 @pytest.fixture

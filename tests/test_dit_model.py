@@ -153,11 +153,9 @@ def test_loss_decreases_on_synthetic_data(tmp_path, free_port_env):
 
 @pytest.fixture
 def free_port_env(monkeypatch):
-    import socket
+    from elastic.control.etcd_server import free_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     for key, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "1",
                        "LOCAL_RANK": "0"}.items():
         monkeypatch.setenv(key, value)

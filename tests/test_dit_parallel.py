@@ -9,7 +9,6 @@ to 1e-5 relative.
 from __future__ import annotations
 
 import os
-import socket
 import sys
 
 import pytest
@@ -111,9 +110,9 @@ def _worker(rank: int, port: int) -> None:
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from elastic.control.etcd_server import free_port
+
+    return free_port()
 
 
 @pytest.mark.slow

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -65,9 +64,9 @@ def test_extend_resumes_a_changed_config_stops_and_fresh_moves_aside(tmp_path, s
 
 
 def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    from elastic.control.etcd_server import free_port
+
+    return free_port()
 
 
 def _dit_worker(tmp_path: Path, run_dir: Path, trainer: dict) -> tuple[int, str]:

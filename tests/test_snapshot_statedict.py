@@ -7,7 +7,6 @@ the cheap tree must equal DCP's in keys, tensor kinds, shapes and bytes, and eve
 
 from __future__ import annotations
 
-import socket
 
 import pytest
 import torch
@@ -28,9 +27,9 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from elastic.control.etcd_server import free_port
+
+    return free_port()
 
 
 @pytest.fixture

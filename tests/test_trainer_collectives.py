@@ -8,7 +8,6 @@ for a tensor of another type, so these single-process tests reach that failure o
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
@@ -28,9 +27,9 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from elastic.control.etcd_server import free_port
+
+    return free_port()
 
 
 @pytest.fixture

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import base64
 import os
+import random
 import shutil
 import signal
 import socket
@@ -28,6 +29,10 @@ from pathlib import Path
 
 class EtcdServerError(RuntimeError):
     """The etcd server binary is missing or the server did not become healthy."""
+
+
+_BIND_RETRIES = 3
+"""Fresh ports tried when another process took the chosen ones before etcd bound them."""
 
 
 def find_etcd_binary() -> str:
@@ -70,9 +75,41 @@ def _is_server_binary(path: str) -> bool:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
+    """A port nothing listens on now, drawn from below the kernel's ephemeral range.
+
+    Why not ``bind(0)``: that hands out an *ephemeral* port, the same pool every outgoing
+    connection on the host draws from, so in the gap before the server binds it a client
+    socket (any test's, any agent's) can take it -- a fresh-clone CI run failed exactly so
+    ("bind: address already in use").  Ports below the range are only ever taken by an
+    explicit bind.  Falls back to ``bind(0)`` if no probe succeeds.
+    """
+    low = _ephemeral_low()
+    for port in random.sample(range(_PORT_FLOOR, low), min(64, max(low - _PORT_FLOOR, 0))):
+        if _can_bind(host, port):
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
+
+
+_PORT_FLOOR = 20000
+"""Lowest port handed out: well clear of the well-known and registered service ports in use."""
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
+def _can_bind(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 @dataclass(frozen=True)
@@ -111,6 +148,7 @@ class EmbeddedEtcd:
     ) -> None:
         self._own_dir = data_dir is None
         self.data_dir = Path(data_dir) if data_dir else Path(tempfile.mkdtemp(prefix="etcd-"))
+        self._own_ports = client_port is None and peer_port is None and initial_cluster is None
         self.client_port = client_port or free_port()
         self.peer_port = peer_port or free_port()
         self.initial_cluster = initial_cluster
@@ -122,6 +160,7 @@ class EmbeddedEtcd:
         self.proc: subprocess.Popen[bytes] | None = None
         self.tls = tls
         self.auth_token_ttl_s = auth_token_ttl_s
+        self._started = False
 
     @property
     def endpoint(self) -> str:
@@ -168,9 +207,26 @@ class EmbeddedEtcd:
         """Start the server (or restart it on the same data dir) and wait until healthy."""
         if self.proc is not None and self.proc.poll() is None:
             return self.endpoint
-        self.spawn(parent_death_signal)
-        self.wait_healthy(timeout)
+        for attempt in range(_BIND_RETRIES + 1):
+            self.spawn(parent_death_signal)
+            try:
+                self.wait_healthy(timeout)
+                return self.endpoint
+            except EtcdServerError as exc:
+                if not self._may_move_ports(exc) or attempt == _BIND_RETRIES:
+                    raise
+                self._move_ports()
         return self.endpoint
+
+    def _may_move_ports(self, exc: EtcdServerError) -> bool:
+        # Only ports this object chose, and only before its first good start: a restart must
+        # come back on the endpoint its clients know.
+        return self._own_ports and not self._started and "address already in use" in str(exc)
+
+    def _move_ports(self) -> None:
+        # The failed start wrote nothing worth keeping; a stale member dir would pin the old peer URL.
+        shutil.rmtree(self.data_dir / "member-data", ignore_errors=True)
+        self.client_port, self.peer_port = free_port(), free_port()
 
     def spawn(self, parent_death_signal: int | None = None) -> None:
         """Start the process without waiting (a cluster member is healthy only once a quorum runs)."""
@@ -203,6 +259,7 @@ class EmbeddedEtcd:
             try:
                 with urllib.request.urlopen(url, timeout=1, context=context) as resp:
                     if b'"health":"true"' in resp.read():
+                        self._started = True
                         return
             except OSError:
                 pass
