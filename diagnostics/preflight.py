@@ -6,7 +6,7 @@
     if exclude_if_failed(report, store, run_prefix, node_id, ttl_s=3600):
         sys.exit(EXIT_DO_NOT_REQUEUE)
 
-The quick screen takes ~1-2 s on a CPU host (GEMM and copy 0.15 s per dtype,
+The quick screen takes ~0.5-1 s on a CPU host (GEMM and copy 0.05 s per dtype,
 a 2-rank gloo all-reduce of 1 MiB); pass ``checks=[...]`` to run a subset.
 """
 

@@ -1,6 +1,6 @@
 """Memory bandwidth: device-local copy GB/s (host memory on a CPU-only host).
 
-``dst.copy_(src)`` of a large buffer, repeated for ``quick_seconds`` /
+``dst.copy_(src)`` of a large buffer, repeated for ``quick_seconds`` (CPU) / ``quick_seconds_gpu`` /
 ``full_seconds`` after a warm-up, timed with CUDA events on a GPU; bandwidth counts bytes read plus bytes written (STREAM "copy"
 convention), so it is comparable with the memory's peak figure.  The copy is
 verified at the end (``dst`` must equal ``src``).  Knob: ``membw: {gbps_scale}``.
@@ -67,10 +67,10 @@ class MembwCheck(Check):
     def run(self, ctx: Context) -> CheckResult:
         t = ctx.thresholds.membw
         scale = float(ctx.reader.knobs("membw").get("gbps_scale", 1.0))
-        seconds = t.full_seconds if ctx.full else t.quick_seconds
         verdicts, problems, per_device = [], [], {}
         low, text = float("inf"), "none"
         for device in compute_devices():
+            seconds = t.full_seconds if ctx.full else (t.quick_seconds_gpu if device.type == "cuda" else t.quick_seconds)
             model, spec = spec_for(device, ctx.thresholds)
             with single_cpu_thread(device):
                 r = run_copy(device, SIZES[(device.type, ctx.mode)], seconds)
