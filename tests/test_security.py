@@ -329,3 +329,24 @@ def test_launcher_refuses_a_wrong_password_before_starting_agents(secure_etcd, p
 def test_no_etcd_setting_leaked_into_this_process():
     """Guard for the in-process tests above: a leftover ELASTIC_ETCD_* would turn every later store into https."""
     assert not {k for k in os.environ if k.startswith("ELASTIC_ETCD_")}
+
+
+def test_plain_session_reads_the_environment_once(monkeypatch):
+    # requests re-reads proxies and CA bundles from the environment on every request unless
+    # trust_env is off; the session resolves them once, for its own endpoint, instead.
+    monkeypatch.setenv("HTTP_PROXY", "http://127.0.0.1:9")
+    monkeypatch.setenv("NO_PROXY", "127.0.0.2")
+    monkeypatch.setenv("REQUESTS_CA_BUNDLE", "/etc/ssl/certs/run-ca.pem")
+    proxied = EtcdSecurity().session("http://127.0.0.3:2379")
+    direct = EtcdSecurity().session("http://127.0.0.2:2379")
+    assert not proxied.trust_env and not direct.trust_env
+    assert proxied.proxies.get("http") == "http://127.0.0.1:9"
+    assert "http" not in direct.proxies
+    assert proxied.verify == "/etc/ssl/certs/run-ca.pem"
+
+
+def test_session_with_a_ca_file_ignores_the_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("HTTP_PROXY", "http://127.0.0.1:9")
+    monkeypatch.setenv("REQUESTS_CA_BUNDLE", "/etc/ssl/certs/other.pem")
+    session = EtcdSecurity(ca_file=str(tmp_path / "ca.pem")).session("https://127.0.0.3:2379")
+    assert session.verify == str(tmp_path / "ca.pem") and not session.proxies

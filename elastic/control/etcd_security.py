@@ -67,18 +67,25 @@ class EtcdSecurity:
     def scheme(self) -> str:
         return "https" if self.tls else "http"
 
-    def session(self) -> requests.Session:
+    def session(self, base_url: str | None = None) -> requests.Session:
         """A requests session that verifies the server against ``ca_file`` and presents the client cert.
 
-        ``trust_env`` is off when a CA file is given: requests lets ``$REQUESTS_CA_BUNDLE`` /
-        ``$CURL_CA_BUNDLE`` override a session's ``verify``, which would silently replace
-        the run's CA with the system bundle (and fail, or trust more than intended).
-        Proxies from the environment are ignored with it, which suits etcd traffic.
+        ``trust_env`` is always off.  With a CA file, because requests lets
+        ``$REQUESTS_CA_BUNDLE`` / ``$CURL_CA_BUNDLE`` override a session's ``verify``, which
+        would silently replace the run's CA with the system bundle (and fail, or trust more than
+        intended); proxies from the environment are ignored with it, which suits etcd traffic.
+        Without one, the environment is read *once* here (proxies for ``base_url``, honouring
+        ``no_proxy``, and the CA bundle variables): requests re-reads all of it on every request,
+        ~0.4 ms of CPU per etcd call (a third of a call's cost, measured; agents poll every 0.25 s).
         """
         session = requests.Session()
+        session.trust_env = False
         if self.ca_file:
             session.verify = self.ca_file
-            session.trust_env = False
+        else:
+            session.verify = os.environ.get("REQUESTS_CA_BUNDLE") or os.environ.get("CURL_CA_BUNDLE") or True
+            if base_url:
+                session.proxies.update(requests.utils.get_environ_proxies(base_url))
         if self.cert_file:
             session.cert = (self.cert_file, self.key_file)
         return session

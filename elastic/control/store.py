@@ -192,7 +192,7 @@ class EtcdStore:
             # api_path given explicitly so construction never makes a network call.
             client = Etcd3Client(
                 host=host, port=port, protocol=self.security.scheme, timeout=self.request_timeout,
-                api_path="/v3/", session=self.security.session(),
+                api_path="/v3/", session=self.security.session(f"{self.security.scheme}://{host}:{port}"),
             )
             clients[index] = client
         if self.security.username:
