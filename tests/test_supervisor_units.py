@@ -162,6 +162,17 @@ def test_leader_election_and_failover():
     assert store.get("/r/leader") is None
 
 
+def test_follower_polls_the_leader_key_without_writing():
+    # Every follower tries each interval: a held key must cost a read, not a lease grant, a lost
+    # compare-and-swap and a revoke (three raft writes per follower per second on etcd).
+    store = MemoryStore(FakeClock())
+    leader, follower = LeaderElection(store, "/r/leader", "a", ttl_s=2), LeaderElection(store, "/r/leader", "b", ttl_s=2)
+    assert leader.try_acquire()
+    granted = store._next_lease
+    assert not any(follower.try_acquire() for _ in range(5))
+    assert store._next_lease == granted
+
+
 # -- config -------------------------------------------------------------------------------
 def test_agent_config_rejects_pg_timeout_below_heartbeat():
     with pytest.raises(ConfigError, match="pg_timeout_s"):

@@ -105,6 +105,10 @@ class LeaderElection:
                 return True
             except LeaseExpired:
                 self.lease_id = None  # lost it (e.g. etcd outage longer than the TTL): re-run
+        if self.store.get(self.key) is not None:
+            # Held by another node: a read, not a lease grant + lost CAS + revoke (three raft
+            # writes per follower per interval, measured: 3.6 grants/s on 4 local nodes).
+            return False
         lease = self.store.grant_lease(self.ttl_s)
         ok, _ = self.store.compare_and_swap(self.key, json.dumps({"node": self.node_id, "ts": time.time()}), 0,
                                             lease=lease)
