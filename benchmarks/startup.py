@@ -29,9 +29,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from recovery_torchrun import env, make_config, run_c10d_nodes  # noqa: E402
+from recovery_torchrun import StepTail, env, make_config, run_c10d_nodes  # noqa: E402
 
-from elastic.common.events import read_run_events  # noqa: E402
 from elastic.common.procs import descendants, terminate_tree  # noqa: E402
 
 ENTRY = {"mlp": "trainer.train", "dit": "trainer.dit_train"}
@@ -39,10 +38,12 @@ ENTRY = {"mlp": "trainer.train", "dit": "trainer.dit_train"}
 
 def first_step(run_dir: Path, started: float, timeout: float = 300, procs: list[subprocess.Popen] = ()) -> float:
     deadline = time.monotonic() + timeout
+    tail, first = StepTail(run_dir), None
     while time.monotonic() < deadline:
-        steps = [e["ts"] for e in read_run_events(run_dir) if e["kind"] == "trainer.step"]
-        if steps:
-            return round(min(steps) - started, 3)
+        steps = [e["ts"] for e in tail.new_steps()]
+        first = min([*steps, first] if first is not None else steps, default=None)
+        if first is not None:
+            return round(first - started, 3)
         if procs and all(p.poll() is not None for p in procs):
             raise RuntimeError(f"{run_dir.name}: every process ended before the first step")
         time.sleep(0.05)
