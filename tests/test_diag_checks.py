@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -414,3 +415,24 @@ def test_scale_knobs_make_a_cpu_node_look_slow(check, knob, scale, verdict):
     # The chaos module's "slow node" injection must work on CPU hosts as it does on GPUs.
     r = run(check, {check: {knob: scale}})
     assert r.verdict == verdict, r.reason
+
+
+def test_cpu_timer_counts_the_threads_own_time_not_the_wait():
+    # A CPU measurement that shares its cores (the worker's start, other simulated nodes) must not
+    # read the time it was descheduled as slowness: sleeping stands in for being descheduled.
+    from diagnostics.checks._devices import DeviceTimer
+
+    timer = DeviceTimer(torch.device("cpu"), thread_cpu=True)
+    timer.start()
+    time.sleep(0.2)
+    busy_until = time.thread_time() + 0.05
+    while time.thread_time() < busy_until:
+        pass
+    timer.stop()
+    assert 0.04 <= timer.seconds() < 0.15
+    assert timer.cpu_share is not None and timer.cpu_share < 0.6
+    wall = DeviceTimer(torch.device("cpu"))
+    wall.start()
+    time.sleep(0.05)
+    wall.stop()
+    assert wall.seconds() >= 0.05  # collectives keep the host clock

@@ -79,9 +79,17 @@ def judge_measurement(ctx: Any, check: str, key: str, model: str, measured: floa
 
 class DeviceTimer:
     """Elapsed seconds on one device: CUDA events on its stream (device time, not host time
-    around asynchronous launches), the host clock on the CPU."""
+    around asynchronous launches); on the CPU the host clock, or with ``thread_cpu`` the calling
+    thread's own CPU time.
 
-    def __init__(self, device: Any) -> None:
+    ``thread_cpu`` is for compute run on the calling thread (:class:`single_cpu_thread`): a core
+    shared with other processes -- the worker's own start, or every simulated node of a local run
+    on the same cores -- then reads as fewer iterations, not as a slow node.  :attr:`cpu_share`
+    says how much of the wall time the thread had.  Not for collectives (gloo works on threads
+    of its own, and waiting for a peer is part of what they measure).
+    """
+
+    def __init__(self, device: Any, thread_cpu: bool = False) -> None:
         import torch
 
         self.cuda = device.type == "cuda"
@@ -90,7 +98,8 @@ class DeviceTimer:
                 self.start_event = torch.cuda.Event(enable_timing=True)
                 self.end_event = torch.cuda.Event(enable_timing=True)
         self.device = device
-        self.t0 = self.t1 = 0.0
+        self.thread_cpu = thread_cpu and not self.cuda
+        self.t0 = self.t1 = self.c0 = self.c1 = 0.0
 
     def start(self) -> None:
         import torch
@@ -98,7 +107,7 @@ class DeviceTimer:
         if self.cuda:
             with torch.cuda.device(self.device):
                 self.start_event.record()
-        self.t0 = time.perf_counter()
+        self.t0, self.c0 = time.perf_counter(), time.thread_time()
 
     def stop(self) -> None:
         import torch
@@ -106,13 +115,22 @@ class DeviceTimer:
         if self.cuda:
             with torch.cuda.device(self.device):
                 self.end_event.record()
-        self.t1 = time.perf_counter()
+        self.t1, self.c1 = time.perf_counter(), time.thread_time()
 
     def seconds(self) -> float:
         """After the device is synchronised."""
         if self.cuda:
             return self.start_event.elapsed_time(self.end_event) / 1e3
+        if self.thread_cpu:
+            return max(self.c1 - self.c0, 1e-9)
         return self.t1 - self.t0
+
+    @property
+    def cpu_share(self) -> float | None:
+        """Of the timed wall time, the fraction this thread ran (None on a GPU)."""
+        if self.cuda:
+            return None
+        return round(min((self.c1 - self.c0) / max(self.t1 - self.t0, 1e-9), 1.0), 3)
 
 
 class single_cpu_thread:

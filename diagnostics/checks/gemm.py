@@ -5,7 +5,8 @@ compute capability >= 8.9 or on a CPU build that has the kernel -- torch 2.13's
 does), square matrices with deterministic contents (seeded generator, uniform in
 [-1, 1)) are multiplied back to back on **every GPU at once** (or the CPU) for
 ``quick_seconds_gpu`` / ``quick_seconds`` / ``full_seconds``, after a warm-up,
-timed with CUDA events.  GPU health (clocks, throttle reasons, GPU and HBM
+timed with CUDA events (on the CPU, by the thread's own CPU time: see
+:class:`~diagnostics.checks._devices.DeviceTimer`).  GPU health (clocks, throttle reasons, GPU and HBM
 temperature, ECC, Xids) is read during and after the bf16 load and judged with
 the ``gpu`` check's rules (:mod:`diagnostics.checks._under_load`).  Throughput is judged
 against the calibration when the screen has one (:mod:`diagnostics.calibration`),
@@ -47,6 +48,8 @@ from diagnostics.report import CheckResult, worst
 #: Matrix size per (device type, mode).
 SIZES = {("cpu", "quick"): 256, ("cpu", "full"): 1024, ("cuda", "quick"): 4096, ("cuda", "full"): 8192}
 REFERENCE_ROWS = 16
+#: Products timed at least, however short the time budget or small this thread's share of a busy CPU.
+MIN_ITERS = 8
 
 
 _CPU_FP8: bool | None = None
@@ -137,7 +140,7 @@ def run_gemm_all(devices: list[Any], dtype: str, n: int, seconds: float, corrupt
             for g in gemms:
                 g()
         _sync(devices)
-        timers = [DeviceTimer(device) for device in devices]
+        timers = [DeviceTimer(device, thread_cpu=True) for device in devices]
         for timer in timers:
             timer.start()
         lasts, iters, start = firsts, 0, time.perf_counter()
@@ -149,7 +152,7 @@ def run_gemm_all(devices: list[Any], dtype: str, n: int, seconds: float, corrupt
                 if monitor is not None and not monitor.samples and elapsed >= seconds / 2:
                     monitor.sample("during")
                 _sync(devices)
-                if time.perf_counter() - start >= seconds:
+                if time.perf_counter() - start >= seconds and iters >= MIN_ITERS:
                     break
         for timer in timers:
             timer.stop()
@@ -163,7 +166,7 @@ def run_gemm_all(devices: list[Any], dtype: str, n: int, seconds: float, corrupt
         elapsed = timer.seconds()
         rel_err, consistent = g.verify(first, last, corrupt)
         out[str(g.device)] = {"n": n, "iters": iters, "seconds": elapsed, "tflops": 2.0 * n**3 * iters / elapsed / 1e12,
-                              "rel_err": rel_err, "consistent": consistent}
+                              "rel_err": rel_err, "consistent": consistent, "cpu_share": timer.cpu_share}
     return out
 
 

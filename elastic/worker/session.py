@@ -197,7 +197,7 @@ class WorkerSession:
                 inproc.pusher.kill_during = lambda step: self.hooks.snapshot_kill(step)
         self.ckpt = self._checkpoints() if checkpoints else None
         # The node screen runs while this worker builds and loads; the first step waits for it.
-        self.screen = BackgroundScreen.from_env(int(os.environ.get("LOCAL_RANK", "0")), device.type)
+        self.screen = BackgroundScreen.from_env(int(os.environ.get("LOCAL_RANK", "0")))
         self._sync = torch.zeros(1, device=device)
         self._t0 = 0.0
         self._wait = 0.0
