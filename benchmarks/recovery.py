@@ -27,10 +27,11 @@ Measured per mode, from the trainers' event logs:
   wall_s           launch -> every process exited
 Top level: ``ratio_inprocess_vs_torchrun_c10d`` and ``ratio_replicas_vs_torchrun_c10d`` (recovery_s),
 ``snapshot_step_ratio``: the in-process mode's median step interval (rank 0, step to step, so the
-snapshot's copy on the training thread counts) with per-step snapshots over without
-(``agent.inprocess.snapshots: false``), fault-free, the median of ``--snapshot-pairs`` alternating
-pairs (details under ``snapshot_overhead``); ``inprocess_vs_runtime_ckpt_step_ratio`` (the same
-interval, in-process mode over in-process off); the load average before and after.  Prints one JSON object; ``--json PATH`` writes it too.
+snapshot's copy on the training thread counts) after steps with a snapshot over after steps without,
+fault-free, in ``--snapshot-ab-runs`` runs that alternate blocks of ``--snapshot-ab-block`` steps
+with and without (``agent.inprocess.snapshot_ab_block``; details under ``snapshot_overhead``;
+``--snapshot-pairs`` adds the older comparison of separate runs); ``inprocess_vs_runtime_ckpt_step_ratio``
+(the same interval, in-process mode over in-process off); the load average before and after.  Prints one JSON object; ``--json PATH`` writes it too.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ from recovery_torchrun import env, make_config, run_c10d_nodes, wait_step  # noq
 
 from elastic.common.events import read_run_events  # noqa: E402
 from elastic.common.procs import descendants  # noqa: E402
+from elastic.worker.inprocess import ab_snapshot_step  # noqa: E402
 
 MODES = ("torchrun_c10d", "runtime_ckpt", "inprocess", "replicas")
 ENTRY = {"mlp": "trainer.train", "dit": "trainer.dit_train"}
@@ -157,15 +159,18 @@ def checksum(run_dir: Path) -> str | None:
 
 
 # -- measurement ------------------------------------------------------------------------------------
+RANK0 = ("trainer/rank0", "trainer/node0/rank0")
+
+
 def _median_step(steps: list[dict]) -> float:
-    ref = [e["step_time"] for e in steps if e["source"] in ("trainer/rank0", "trainer/node0/rank0")]
+    ref = [e["step_time"] for e in steps if e["source"] in RANK0]
     return statistics.median(ref) if ref else 0.0
 
 
 def _median_interval(steps: list[dict]) -> float:
     """Rank 0's median time from one committed step's event to the next: unlike ``step_time`` it
     includes what runs between steps on the training thread (a snapshot's copy, a save's staging)."""
-    ts = sorted(e["ts"] for e in steps if e["source"] in ("trainer/rank0", "trainer/node0/rank0"))
+    ts = sorted(e["ts"] for e in steps if e["source"] in RANK0)
     return statistics.median(b - a for a, b in zip(ts, ts[1:])) if len(ts) > 1 else 0.0
 
 
@@ -178,9 +183,62 @@ def clean_measure(events: list[dict], started: float, ended: float) -> dict:
 
 
 def snapshot_overhead(args, work: Path) -> dict:
-    """The in-process mode fault-free with per-step snapshots off and on, in alternating pairs (the
-    host's load drifts between runs by more than the effect): the median over pairs of on/off of the
-    median step interval."""
+    """What per-step snapshots cost a step, fault-free, in the in-process mode.
+
+    Interleaved (the figure): ``--snapshot-ab-runs`` runs with ``agent.inprocess.snapshot_ab_block``
+    set, so snapshots are on and off in alternate blocks of steps of the *same* run: both sides share
+    the host's load (its drift between runs -- a spare importing torch, another process -- moved
+    separate runs by more than the effect: pairs of runs measured 0.93-1.29).  Rank 0's step-to-step
+    intervals after a step with a snapshot over those after one without, pooled over the runs.
+    Optional ``--snapshot-pairs``: separate runs with snapshots off and on, alternating."""
+    out: dict = {"method": "interleaved" if args.snapshot_ab_runs else "pairs"}
+    if args.snapshot_ab_runs:
+        out["interleaved"] = interleaved(args, work)
+    if args.snapshot_pairs:
+        out["pairs"] = separate_pairs(args, work)
+    key = "interleaved" if args.snapshot_ab_runs else "pairs"
+    out["ratio"] = out[key]["ratio"] if key in out else None
+    return out
+
+
+def interleaved(args, work: Path) -> dict:
+    block = args.snapshot_ab_block
+    runs, on, off = [], [], []
+    for i in range(args.snapshot_ab_runs):
+        run = run_mode(args, work, "inprocess", False, {"agent.inprocess.snapshot_ab_block": block}, tag=f"-ab{i}")
+        split = ab_intervals(read_run_events(work / f"inprocess-clean-ab{i}"), block)
+        on += split["on"]
+        off += split["off"]
+        runs.append({"on_interval_s": _median(split["on"]), "off_interval_s": _median(split["off"]),
+                     "ratio": _ratio(split["on"], split["off"]), "intervals": [len(split["on"]), len(split["off"])],
+                     "completed": run["completed"], "snapshot_costs_rank0": run.get("snapshot_costs_rank0")})
+    return {"block_steps": block, "runs": runs, "on_interval_s": _median(on), "off_interval_s": _median(off),
+            "ratio": _ratio(on, off)}
+
+
+def ab_intervals(events: list[dict], block: int) -> dict[str, list[float]]:
+    """Rank 0's intervals from step s's event to s+1's, split by whether s was snapshotted (its copy
+    runs right after s, its push beside s+1).  The first on/off cycle is left out: it holds the first
+    step and the snapshot tree's one-time check against DCP's."""
+    ts = {e["step"]: e["ts"] for e in events if e["kind"] == "trainer.step" and e["source"] in RANK0
+          and e.get("committed", True)}
+    split: dict[str, list[float]] = {"on": [], "off": []}
+    for step in sorted(ts):
+        if step > 2 * block and step + 1 in ts:
+            split["on" if ab_snapshot_step(step, block) else "off"].append(ts[step + 1] - ts[step])
+    return split
+
+
+def _median(values: list[float]) -> float | None:
+    return round(statistics.median(values), 5) if values else None
+
+
+def _ratio(on: list[float], off: list[float]) -> float | None:
+    return round(statistics.median(on) / statistics.median(off), 4) if on and off else None
+
+
+def separate_pairs(args, work: Path) -> dict:
+    """Fault-free runs with snapshots off, then on, alternating: ratio of the median step intervals."""
     pairs = []
     for i in range(args.snapshot_pairs):
         off = run_mode(args, work, "inprocess", False, {"agent.inprocess.snapshots": False}, tag=f"-nosnap{i}")
@@ -264,8 +322,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--preflight", action="store_true", help="keep the agents' diag screens on")
     p.add_argument("--keep", help="keep run directories here instead of a temporary directory")
     p.add_argument("--only", choices=MODES, action="append")
-    p.add_argument("--snapshot-pairs", type=int, default=2,
-                   help="fault-free in-process runs with snapshots off/on for snapshot_step_ratio (0: skip)")
+    p.add_argument("--snapshot-ab-runs", type=int, default=2,
+                   help="fault-free in-process runs with snapshots in alternate blocks, for snapshot_step_ratio "
+                        "(0: skip)")
+    p.add_argument("--snapshot-ab-block", type=int, default=10, help="steps per block of those runs")
+    p.add_argument("--snapshot-pairs", type=int, default=0,
+                   help="also: pairs of separate fault-free runs with snapshots off / on")
     p.add_argument("--json", dest="json_path", help="also write the JSON object to this file")
     args = p.parse_args(argv)
     args.steps = args.steps or (300 if args.trainer == "mlp" else 120)

@@ -143,3 +143,19 @@ def test_snapshots_off_reaches_the_workers_environment():
     off = WorkerEnv.from_env(WorkerEnv(**inprocess_env(None, InProcessConfig(snapshots=False))).to_env())
     assert (on.snapshots, off.snapshots) == ("1", "0")
     assert WorkerEnv(**inprocess_env(None, None)).snapshots == ""  # in-process recovery off: nothing said
+
+
+def test_snapshot_ab_blocks_alternate_and_reach_the_workers():
+    from elastic.agent.config import InProcessConfig
+    from elastic.agent.inprocess import inprocess_env
+    from elastic.common.config import ConfigError
+    from elastic.common.env import WorkerEnv
+    from elastic.worker.inprocess import ab_snapshot_step
+
+    ab = WorkerEnv.from_env(WorkerEnv(**inprocess_env(None, InProcessConfig(snapshot_ab_block=3))).to_env())
+    assert ab.snapshots == "ab:3"
+    assert [s for s in range(1, 13) if ab_snapshot_step(s, 3)] == [1, 2, 3, 7, 8, 9]
+    assert all(ab_snapshot_step(s, 0) for s in range(1, 13))
+    assert InProcessConfig(snapshots=False, snapshot_ab_block=3).snapshots_env() == "0"
+    with pytest.raises(ConfigError, match="snapshot_ab_block"):
+        InProcessConfig(snapshot_ab_block=-1)

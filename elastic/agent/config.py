@@ -105,6 +105,10 @@ class InProcessConfig:
     disk checkpoint; for measuring their cost (``benchmarks/recovery.py``) or a host too short of memory."""
     snapshot_mib: int = 4096
     """Memory the agent may hold for per-step snapshots (its workers' and its buddy node's)."""
+    snapshot_ab_block: int = 0
+    """For measuring the snapshots' cost within one run (``benchmarks/recovery.py``): alternate
+    blocks of this many steps with and without snapshots, so both halves of the comparison share the
+    host's load.  A fault in a block without them loses up to a block of steps.  0: off."""
 
     def __post_init__(self) -> None:
         for name in ("join_timeout_s", "probe_timeout_s"):
@@ -112,6 +116,14 @@ class InProcessConfig:
                 raise ConfigError(name, "must be > 0")
         if self.snapshot_mib < 1:
             raise ConfigError("snapshot_mib", "must be >= 1")
+        if self.snapshot_ab_block < 0:
+            raise ConfigError("snapshot_ab_block", "must be >= 0")
+
+    def snapshots_env(self) -> str:
+        """The workers' ``ELASTIC_SNAPSHOTS``: ``1``, ``0``, or ``ab:N`` (:attr:`snapshot_ab_block`)."""
+        if not self.snapshots:
+            return "0"
+        return f"ab:{self.snapshot_ab_block}" if self.snapshot_ab_block else "1"
 
 
 @dataclass(kw_only=True)

@@ -106,7 +106,7 @@ def inprocess_env(memstate: MemStateServer | None, config: InProcessConfig | Non
     """The WorkerEnv fields of the memory store and in-process recovery (empty when off)."""
     return {"memstate_addr": memstate.addr if memstate else "", "memstate_token": memstate.token if memstate else "",
             "inprocess": f"{config.join_timeout_s:g}" if config else "",
-            "snapshots": ("1" if config.snapshots else "0") if config else "",
+            "snapshots": config.snapshots_env() if config else "",
             "agent_pid": str(os.getpid()) if config else ""}
 
 

@@ -63,6 +63,12 @@ def is_peer_failure(exc: BaseException) -> bool:
     return False
 
 
+def ab_snapshot_step(step: int, block: int) -> bool:
+    """Whether step ``step`` is snapshotted when snapshots alternate in blocks of ``block`` steps
+    (on for steps 1..block, off for the next block, ...); always with ``block`` 0."""
+    return block <= 0 or ((step - 1) // block) % 2 == 0
+
+
 class PhaseClock:
     """Durations of a recovery's phases, for the ``trainer.recovered`` event."""
 
@@ -90,6 +96,7 @@ class InProcess:
         self.client = MemStateClient(env.memstate_addr, env.memstate_token, 30.0) if env.memstate_addr else None
         self.ring = SnapshotRing()
         self.snapshots_on = env.snapshots != "0"
+        self.ab_block = int(env.snapshots[3:]) if env.snapshots.startswith("ab:") else 0
         self.costs = SnapshotCosts([], [])
         self.pusher = SnapshotPusher(self.client, env.node_id, local_rank, self.epoch, events) if self.client else None
         self.gen = int(env.join_gen) if env.join_gen else 0
@@ -116,7 +123,7 @@ class InProcess:
             self.gens.register(self.slot, rank)
 
     def snapshot(self, step: int, state: dict[str, Any], extra: dict[str, Any], world: int) -> None:
-        if not self.snapshots_on:
+        if not self.snapshots_on or not ab_snapshot_step(step, self.ab_block):
             return
         t0 = time.monotonic()
         snap = capture(state, step, self.gen, self.rank, world, extra)
