@@ -107,6 +107,41 @@ def test_restore_into_a_fresh_state_same_world_and_from_other_world_sizes():
     assert ring.get(1) is None and ring.newest().step == 3 and ring.get(2) is not None
 
 
+def test_captures_reuse_only_buffers_the_ring_let_go():
+    ring, w = SnapshotRing(depth=2), torch.zeros(4, 2, requires_grad=True)
+    buffers = []
+    for step in (1, 2, 3, 4, 5):
+        with torch.no_grad():
+            w.fill_(step)
+        snap = capture({"app": {"w": w, "lr": [0.1 * step]}}, step=step, gen=0, rank=0, world=1, ring=ring)
+        ring.add(snap)
+        buffers.append(snap.packed)
+    # Three buffers turn: step 1's leaves the ring when step 3 is added, and takes step 4's copy.
+    assert len({id(b) for b in buffers[:3]}) == 3 and buffers[3] is buffers[0] and buffers[4] is buffers[1]
+    for step in (4, 5):  # the kept snapshots still hold their own values
+        tree = ring.get(step).tree["app"]
+        assert torch.equal(tree["w"], torch.full((4, 2), float(step))) and tree["lr"] == [0.1 * step]
+    assert not ring.get(5).tree["app"]["w"].requires_grad
+    other = capture({"app": {"w": torch.zeros(2, 2)}}, step=6, gen=1, rank=0, world=1, ring=ring)
+    assert all(other.packed is not b for b in buffers)  # a new layout (new world): a new buffer
+
+
+def test_a_packed_snapshot_goes_over_the_wire_as_the_generic_encoding_does():
+    from elastic.checkpoint.memory import decode_state, encode_state
+    from elastic.checkpoint.snapshot import to_bytes
+
+    state = {"app": {"w": torch.randn(5, 3), "b": torch.arange(7, dtype=torch.int64), "flag": torch.tensor(True),
+                     "empty": torch.zeros(0, 4), "groups": [{"lr": 0.5, "params": ["w", "b"]}]}}
+    snap = capture(state, step=2, gen=0, rank=0, world=1, extra={"seed": torch.tensor([3])})
+    packed = b"".join(bytes(c) for c in to_bytes(snap))
+    generic = b"".join(bytes(c) for c in encode_state(snap.tree, snap.extra))
+    assert len(packed) == len(generic)
+    tree, extra = decode_state(bytearray(packed))
+    assert extra == snap.extra and tree["app"]["groups"] == [{"lr": 0.5, "params": ["w", "b"]}]
+    for key in ("w", "b", "flag", "empty"):
+        assert torch.equal(tree["app"][key], state["app"][key]) and tree["app"][key].dtype == state["app"][key].dtype
+
+
 def test_agreement_takes_the_newest_step_every_old_rank_holds():
     assert _agree({0: {4, 5}, 1: {4}, 2: {4, 5}}, [0, 1, 2]) == 4
     with pytest.raises(RecoveryUnavailable, match=r"missing ranks \[2\]"):

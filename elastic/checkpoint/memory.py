@@ -106,16 +106,8 @@ def encode_state(tree: Mapping[str, Any], extra: bytes) -> list[memoryview | byt
     tensors: list[torch.Tensor] = []
     skeleton = _skeleton(tree, tensors)
     views = [_raw(t) for t in tensors]
-    table, offset = [], 0
-    for tensor, view in zip(tensors, views):
-        offset += -offset % _ALIGN
-        table.append((str(tensor.dtype).removeprefix("torch."), list(tensor.shape), offset, view.nbytes))
-        offset += view.nbytes
-    header = _dump_header({"format": _FORMAT, "state": skeleton, "tensors": table, "data_bytes": offset,
-                           "extra_bytes": len(extra)})
-    head = struct.pack("<Q", len(header)) + header
-    head += b"\0" * (-len(head) % _ALIGN)
-    chunks: list[memoryview | bytes] = [head]
+    table, offset = data_table(tensors)
+    chunks: list[memoryview | bytes] = [_head(skeleton, table, offset, len(extra))]
     pos = 0
     for (_, _, off, _), view in zip(table, views):
         if off > pos:
@@ -124,6 +116,41 @@ def encode_state(tree: Mapping[str, Any], extra: bytes) -> list[memoryview | byt
         pos = off + view.nbytes
     chunks.append(bytes(extra))
     return chunks
+
+
+def data_table(tensors: list[torch.Tensor]) -> tuple[list[tuple[str, list[int], int, int]], int]:
+    """Each tensor's (dtype name, shape, offset, bytes) in the data region, 64-byte aligned; its size."""
+    table, offset = [], 0
+    for tensor in tensors:
+        offset += -offset % _ALIGN
+        nbytes = tensor.numel() * tensor.element_size()
+        table.append((str(tensor.dtype).removeprefix("torch."), list(tensor.shape), offset, nbytes))
+        offset += nbytes
+    return table, offset
+
+
+def _head(skeleton: Any, table: list[tuple[str, list[int], int, int]], data_bytes: int, extra_bytes: int) -> bytes:
+    header = _dump_header({"format": _FORMAT, "state": skeleton, "tensors": table, "data_bytes": data_bytes,
+                           "extra_bytes": extra_bytes})
+    head = struct.pack("<Q", len(header)) + header
+    return head + b"\0" * (-len(head) % _ALIGN)
+
+
+def encode_packed(skeleton: Any, table: list[tuple[str, list[int], int, int]], data: memoryview,
+                  extra: bytes) -> list[memoryview | bytes]:
+    """:func:`encode_state`'s chunks when the tensors already sit in one buffer laid out by
+    :func:`data_table` (a per-step snapshot's): header, that buffer, ``extra`` -- three chunks."""
+    return [_head(skeleton, table, data.nbytes, len(extra)), data, bytes(extra)]
+
+
+def tensor_ref(index: int) -> dict[str, int]:
+    """How a skeleton names the ``index``-th tensor of the data region."""
+    return {_TENSOR_REF: index}
+
+
+def resolve(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
+    """``skeleton`` with each tensor reference replaced by its tensor."""
+    return _resolve(skeleton, tensors)
 
 
 def _resolve(skeleton: Any, tensors: list[torch.Tensor]) -> Any:

@@ -36,7 +36,15 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor, Shard
 
 from elastic.checkpoint.memclient import MemStateClient
-from elastic.checkpoint.memory import as_state_dicts, decode_state, encode_state
+from elastic.checkpoint.memory import (
+    as_state_dicts,
+    data_table,
+    decode_state,
+    encode_packed,
+    encode_state,
+    resolve,
+    tensor_ref,
+)
 from elastic.checkpoint.memstate import MemStateError, SnapMeta, sha256_chunks
 from elastic.common.events import EventLog
 
@@ -48,27 +56,75 @@ class SnapshotError(RuntimeError):
     """A snapshot cannot be taken or restored (the caller falls back to a disk checkpoint)."""
 
 
+class Packed:
+    """One snapshot's tensors in a single host buffer, laid out as the wire format's data region
+    (:func:`~elastic.checkpoint.memory.data_table`), with a typed view per tensor.
+
+    Why one buffer: cloning each of the tiny DiT's 124 tensors and then handing the push ~160
+    memoryviews cost 0.74 + 1.96 ms of CPU per rank and step (``/tmp`` profile of ``capture`` and
+    ``to_bytes``); one ``_foreach_copy_`` into cached views and a three-chunk push cost a fraction.
+    The views are made once per buffer; :class:`SnapshotRing` hands buffers back for reuse."""
+
+    def __init__(self, layout: tuple[tuple[torch.dtype, tuple[int, ...]], ...]) -> None:
+        self.layout = layout
+        specs = [torch.empty(shape, dtype=dtype, device="meta") for dtype, shape in layout]
+        self.table, nbytes = data_table(specs)
+        self.flat = torch.zeros(nbytes, dtype=torch.uint8)  # zeros: the alignment gaps are sent too
+        self.views = [self.flat[off:off + n].view(dtype).view(shape)
+                      for (dtype, shape), (_, _, off, n) in zip(layout, self.table)]
+
+    def fill(self, sources: list[torch.Tensor]) -> None:
+        if not sources:
+            return
+        with torch.no_grad():  # the sources may require grad (parameters); the copy must not
+            try:
+                torch._foreach_copy_(self.views, sources)
+            except RuntimeError:  # e.g. sources on several devices: the plain path
+                for view, src in zip(self.views, sources):
+                    view.copy_(src)
+
+    def data(self) -> memoryview:
+        return memoryview(self.flat.numpy()).cast("B") if self.flat.numel() else memoryview(b"")
+
+
 @dataclass
 class Snapshot:
     step: int
     gen: int
     rank: int
     world: int
-    tree: dict[str, Any]
+    _tree: dict[str, Any] | None
     extra: bytes = b""
+    packed: Packed | None = None
+    """The buffer the tensors are in (a captured snapshot; None for one read back)."""
+    skeleton: Any = None
+    """The state with tensor references in place of the tensors (with ``packed``: the wire header's)."""
+
+    @property
+    def tree(self) -> dict[str, Any]:
+        """The state, its tensors views of ``packed``: built when first asked for (a restore), not
+        at every capture (the walk over the optimizer's lists was a third of a capture's CPU)."""
+        if self._tree is None and self.packed is not None:
+            self._tree = resolve(self.skeleton, self.packed.views)
+        assert self._tree is not None
+        return self._tree
 
 
-def _capture(tree: Any) -> Any:
+def _skeleton(tree: Any, sources: list[torch.Tensor]) -> Any:
+    """``tree`` with each tensor (a DTensor: its local shard, with the global shape) replaced by a
+    reference to its place in ``sources``; containers are new, other values are kept as they are."""
     if isinstance(tree, DTensor):
         if any(not isinstance(p, Shard) or p.dim != 0 for p in tree.placements):
             raise SnapshotError(f"cannot snapshot a DTensor placed {tree.placements} (only Shard(0))")
-        return {SHARD: tree._local_tensor.detach().clone(), "shape": list(tree.shape)}
+        sources.append(tree._local_tensor)
+        return {SHARD: tensor_ref(len(sources) - 1), "shape": list(tree.shape)}
     if isinstance(tree, torch.Tensor):
-        return tree.detach().clone()
+        sources.append(tree)
+        return tensor_ref(len(sources) - 1)
     if isinstance(tree, Mapping):
-        return {key: _capture(value) for key, value in tree.items()}
+        return {key: _skeleton(value, sources) for key, value in tree.items()}
     if isinstance(tree, (list, tuple)):
-        return type(tree)(_capture(value) for value in tree)
+        return type(tree)(_skeleton(value, sources) for value in tree)
     return tree
 
 
@@ -85,14 +141,20 @@ def _state_of(value: Any) -> Any:
 
 
 def capture(state: Mapping[str, Any], step: int, gen: int, rank: int, world: int,
-            extra: dict[str, Any] | None = None) -> Snapshot:
-    """A copy of this rank's state after ``step`` (its local shards): cheap memcpy on the training thread."""
+            extra: dict[str, Any] | None = None, ring: SnapshotRing | None = None) -> Snapshot:
+    """A copy of this rank's state after ``step`` (its local shards): one memcpy on the training
+    thread, into a buffer of ``ring``'s that no snapshot it keeps still uses (else a new one)."""
     blob = b""
     if extra:
         buf = io.BytesIO()
         torch.save(extra, buf)
         blob = buf.getvalue()
-    return Snapshot(step, gen, rank, world, _capture(snapshot_state_dicts(state)), blob)
+    sources: list[torch.Tensor] = []
+    skeleton = _skeleton(snapshot_state_dicts(state), sources)
+    layout = tuple((t.dtype, tuple(t.shape)) for t in sources)
+    packed = ring.buffer(layout) if ring is not None else Packed(layout)
+    packed.fill(sources)
+    return Snapshot(step, gen, rank, world, None, blob, packed, skeleton)
 
 
 def extra_of(snapshot: Snapshot) -> dict[str, Any]:
@@ -120,9 +182,21 @@ class SnapshotRing:
     def __init__(self, depth: int = 2) -> None:
         self.depth = depth
         self._items: list[Snapshot] = []
+        self._free: list[Packed] = []  # buffers of snapshots the ring let go (their pushes are done)
 
     def add(self, snapshot: Snapshot) -> None:
-        self._items = [s for s in self._items if s.step != snapshot.step][-(self.depth - 1):] + [snapshot]
+        kept = [s for s in self._items if s.step != snapshot.step][-(self.depth - 1):] + [snapshot]
+        kept_ids = {id(s.packed) for s in kept}
+        self._free += [s.packed for s in self._items if s.packed is not None and id(s.packed) not in kept_ids]
+        self._items = kept
+
+    def buffer(self, layout: tuple[tuple[torch.dtype, tuple[int, ...]], ...]) -> Packed:
+        """A buffer for the next capture: one the ring let go, when its layout fits.
+
+        A snapshot leaves the ring only when a newer one is added, after its own push finished
+        (a push is waited for before the next step's last collectives), so nothing reads it."""
+        self._free = [p for p in self._free if p.layout == layout]  # a new world: new shard shapes
+        return self._free.pop() if self._free else Packed(layout)
 
     def get(self, step: int) -> Snapshot | None:
         return next((s for s in self._items if s.step == step), None)
@@ -132,9 +206,12 @@ class SnapshotRing:
 
     def clear(self) -> None:
         self._items = []
+        self._free = []
 
 
 def to_bytes(snapshot: Snapshot) -> list[memoryview | bytes]:
+    if snapshot.packed is not None:
+        return encode_packed(snapshot.skeleton, snapshot.packed.table, snapshot.packed.data(), snapshot.extra)
     return encode_state(snapshot.tree, snapshot.extra)
 
 

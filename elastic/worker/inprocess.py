@@ -126,7 +126,7 @@ class InProcess:
         if not self.snapshots_on or not ab_snapshot_step(step, self.ab_block):
             return
         t0 = time.monotonic()
-        snap = capture(state, step, self.gen, self.rank, world, extra)
+        snap = capture(state, step, self.gen, self.rank, world, extra, ring=self.ring)
         self.ring.add(snap)
         self.costs.capture_s.append(time.monotonic() - t0)
         if self.pusher is not None:
