@@ -214,3 +214,35 @@ def test_push_of_a_tensor_numpy_cannot_read_is_an_event_not_a_crash(tmp_path, cl
     assert failed["kind"] == "checkpoint.memory_push_failed" and "meta" in failed["error"]
     fast.push(4, "abd", {"model": {"w": torch.arange(4.0)}}, b"")  # a host tensor still goes through
     assert client.get(0)[0].step == 4
+
+
+def _snap(step: int, data: bytes):
+    from elastic.checkpoint.memstate import SnapMeta
+
+    return SnapMeta(node="n0", slot=0, rank=0, world_size=1, epoch=0, gen=0, step=step,
+                    sha256=sha256_bytes(data), nbytes=len(data))
+
+
+def test_kept_connection_carries_every_push_and_survives_the_store_closing_it():
+    server = MemStateServer(max_bytes=1 << 20, io_timeout_s=0.3)
+    client = MemStateClient(server.addr, server.token, timeout_s=5, keep_alive=True)
+    try:
+        client.snap_put(_snap(1, b"a" * 64), b"a" * 64)
+        kept = client._sock
+        client.snap_put(_snap(2, b"b" * 64), b"b" * 64)
+        assert client._sock is kept  # one connection for both pushes
+        import time
+
+        time.sleep(0.8)  # left idle past the store's I/O timeout: the store closed it
+        client.snap_put(_snap(3, b"c" * 64), b"c" * 64)  # retried on a new connection
+        assert client._sock is not kept
+        meta, data = client.snap_get("n0", 0)
+        assert (meta.step, bytes(data)) == (3, b"c" * 64)
+        with pytest.raises(MemStateRejected):
+            client.snap_put(_snap(4, b"d" * 64), b"x" * 64)  # bytes that do not match their sha256
+        assert client._sock is None  # a refusal drops the kept connection
+        client.snap_put(_snap(5, b"e" * 64), b"e" * 64)
+        assert client.snap_get("n0", 0)[0].step == 5
+    finally:
+        client.close()
+        server.close()

@@ -54,6 +54,7 @@ class BuddyLink:
         self._buddy: tuple[str, str, str] | None = None  # (node, addr, token)
         self._checked = 0.0
         self._failed: dict[str, float] = {}  # node -> until when it is skipped (its store did not answer)
+        self._link: tuple[str, MemStateClient] | None = None  # the kept connection to the buddy's store
 
     def buddy(self) -> tuple[str, str, str] | None:
         if self._buddy is None or time.monotonic() - self._checked > 5.0:
@@ -72,13 +73,23 @@ class BuddyLink:
             return
         node, addr, token = buddy
         try:
-            MemStateClient(addr, token, self.timeout_s, peer=True).snap_put(meta, data, replica=True)
+            self._client(node, addr, token).snap_put(meta, data, replica=True)
         except (MemStateError, OSError, ValueError) as exc:
             # The buddy may be gone: the next node of the ring takes over (its record may outlive it
             # until its lease expires, so it is skipped for a while).
             self._failed[node] = time.monotonic() + 30.0
             self._buddy = None
             self.events.emit("agent.buddy_push_failed", buddy=node, step=meta.step, error=str(exc)[:300])
+
+    def _client(self, node: str, addr: str, token: str) -> MemStateClient:
+        """One kept connection to the current buddy, shared by this store's forwarding threads."""
+        link = self._link
+        if link is None or link[0] != f"{node}@{addr}":
+            if link is not None:
+                link[1].close()
+            link = self._link = (f"{node}@{addr}", MemStateClient(addr, token, self.timeout_s, peer=True,
+                                                                   keep_alive=True))
+        return link[1]
 
 
 def memory_store(spec: NodeSpec, state: RunState, events: EventLog, memory_mib: int,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import threading
 
 from elastic.checkpoint.memstate import (
     Chunk,
@@ -41,13 +42,26 @@ def _request(sock: socket.socket, header: dict, *chunks: Chunk) -> dict:
 class MemStateClient:
     """The worker side: push and fetch one slot's entry."""
 
-    def __init__(self, addr: str, token: str, timeout_s: float = 60.0, peer: bool = False) -> None:
+    def __init__(self, addr: str, token: str, timeout_s: float = 60.0, peer: bool = False,
+                 keep_alive: bool = False) -> None:
         host, _, port = addr.rpartition(":")
         if not peer and host not in ("127.0.0.1", "localhost"):
             raise ValueError(f"{MEMSTATE_ADDR_ENV}: a worker's cache is its own node's, got host {host!r}")
         self.addr = (host if peer else "127.0.0.1", int(port))
         self.token = token
         self.timeout_s = timeout_s
+        # keep_alive: snapshot pushes (one per step) reuse one connection.  A connection per push
+        # cost a connect here and an accept and a new thread in the store, at every hop (worker ->
+        # agent -> buddy).  The lock serializes pushes that share it (an agent's forwarding threads).
+        self.keep_alive = keep_alive
+        self._sock: socket.socket | None = None
+        self._lock = threading.Lock()
+
+    def close(self) -> None:
+        """Close the kept connection (a later push opens a new one)."""
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
 
     @classmethod
     def from_env(cls, environ: dict[str, str], timeout_s: float = 60.0) -> MemStateClient | None:
@@ -91,14 +105,39 @@ class MemStateClient:
         return meta, data
 
     def snap_put(self, meta: SnapMeta, *chunks: Chunk, replica: bool = False) -> None:
-        with self._connect() as sock:
-            try:
-                reply = _request(sock, {"op": "snap_put", "token": self.token, "meta": meta.to_json(),
-                                        "replica": replica}, *chunks)
-            except (OSError, ValueError, ConnectionError) as exc:
-                raise MemStateUnavailable(f"snapshot push failed: {exc}") from exc
+        header = {"op": "snap_put", "token": self.token, "meta": meta.to_json(), "replica": replica}
+        if self.keep_alive:
+            with self._lock:
+                reply = self._on_kept(header, chunks)
+        else:
+            with self._connect() as sock:
+                reply = self._on(sock, header, chunks)
         if not reply.get("ok"):
             raise MemStateRejected(str(reply.get("error")))
+
+    @staticmethod
+    def _on(sock: socket.socket, header: dict, chunks: tuple[Chunk, ...]) -> dict:
+        try:
+            return _request(sock, header, *chunks)
+        except (OSError, ValueError, ConnectionError) as exc:
+            raise MemStateUnavailable(f"snapshot push failed: {exc}") from exc
+
+    def _on_kept(self, header: dict, chunks: tuple[Chunk, ...]) -> dict:
+        reused = self._sock is not None
+        if self._sock is None:
+            self._sock = self._connect()
+        try:
+            reply = self._on(self._sock, header, chunks)
+        except MemStateUnavailable:
+            self.close()
+            if not reused:
+                raise
+            # The store closes a connection left idle (or restarted): once more on a new one.  A
+            # snapshot put twice is the same entry.
+            return self._on_kept(header, chunks)
+        if not reply.get("ok"):
+            self.close()  # after a refusal the stream may hold an unread body
+        return reply
 
     def snap_put_torn(self, meta: SnapMeta, chunks: list[Chunk]) -> None:
         """Fault injection: send half of a snapshot, then die (SIGKILL) with the upload torn."""

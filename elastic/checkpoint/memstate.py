@@ -327,13 +327,27 @@ class _Handler(socketserver.BaseRequestHandler):
         try:
             if not sock.recv(1, socket.MSG_PEEK):
                 return  # connected and closed without a word: a peer agent probing that this one lives
-            header = _read_line(sock)
-            if not secrets.compare_digest(str(header.get("token", "")), owner.token):
-                _send(sock, {"ok": False, "error": "bad token"})
-                return
-            owner.dispatch(sock, header)
+            while True:
+                header = _read_line(sock)
+                if not secrets.compare_digest(str(header.get("token", "")), owner.token):
+                    _send(sock, {"ok": False, "error": "bad token"})
+                    return
+                owner.dispatch(sock, header)
+                # Snapshot pushes come once a step on a kept connection (MemStateClient keep_alive);
+                # a push always reads its whole body, so the stream is at the next request.
+                if header.get("op") != "snap_put" or not _next_request(sock):
+                    return
         except (OSError, ValueError, KeyError, TypeError, ConnectionError) as exc:
             owner.events.emit("memstate.request_failed", error=f"{type(exc).__name__}: {exc}"[:500])
+
+
+def _next_request(sock: socket.socket) -> bool:
+    """Wait for another request on a kept connection: False when the peer closed it or left it idle
+    for the I/O timeout (the client then opens a new one)."""
+    try:
+        return bool(sock.recv(1, socket.MSG_PEEK))
+    except (TimeoutError, socket.timeout, ConnectionError):
+        return False
 
 
 class _TCPServer(socketserver.ThreadingTCPServer):

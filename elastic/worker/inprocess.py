@@ -93,7 +93,8 @@ class InProcess:
         self.join_timeout_s = float(env.inprocess)
         self.gens = Generations(EtcdStore(env.etcd_endpoint, request_timeout=2.0, retry_deadline=10.0),
                                 RunKeys(env.run_prefix), self.epoch)
-        self.client = MemStateClient(env.memstate_addr, env.memstate_token, 30.0) if env.memstate_addr else None
+        self.client = (MemStateClient(env.memstate_addr, env.memstate_token, 30.0, keep_alive=True)
+                       if env.memstate_addr else None)
         self.ring = SnapshotRing()
         self.snapshots_on = env.snapshots != "0"
         self.ab_block = int(env.snapshots[3:]) if env.snapshots.startswith("ab:") else 0
