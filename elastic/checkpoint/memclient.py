@@ -72,7 +72,10 @@ class MemStateClient:
 
     def _connect(self) -> socket.socket:
         try:
-            return socket.create_connection(self.addr, timeout=self.timeout_s)
+            sock = socket.create_connection(self.addr, timeout=self.timeout_s)
+            # Request/response: a write's tail must not wait for the peer's (delayed) ACK (Nagle).
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            return sock
         except OSError as exc:
             raise MemStateUnavailable(f"cannot reach the agent's cache at {self.addr[0]}:{self.addr[1]}: {exc}") from exc
 

@@ -323,6 +323,7 @@ class _Handler(socketserver.BaseRequestHandler):
     def handle(self) -> None:
         sock: socket.socket = self.request
         sock.settimeout(self.server.io_timeout_s)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # replies are small: never held back
         owner = self.server.owner
         try:
             if not sock.recv(1, socket.MSG_PEEK):
