@@ -349,7 +349,8 @@ def main(argv: list[str] | None = None) -> int:
             result["checksum_equal"] = bool(result["final_checksum"]) and result["final_checksum"] == clean["final_checksum"]
             result["fault_free"] = clean
             results[mode] = result
-        overhead = snapshot_overhead(args, work) if "inprocess" in modes else None
+        measured = "inprocess" in modes and (args.snapshot_ab_runs or args.snapshot_pairs)
+        overhead = snapshot_overhead(args, work) if measured else None
     report = {
         "benchmark": "recovery",
         "setup": {"nodes": args.nodes, "nproc_per_node": 1, "trainer": args.trainer, "fault": args.fault,
