@@ -194,3 +194,40 @@ def test_snapshot_ab_blocks_alternate_and_reach_the_workers():
     assert InProcessConfig(snapshots=False, snapshot_ab_block=3).snapshots_env() == "0"
     with pytest.raises(ConfigError, match="snapshot_ab_block"):
         InProcessConfig(snapshot_ab_block=-1)
+
+
+def test_one_push_thread_carries_every_snapshot_and_survives_a_push_that_raises(tmp_path, monkeypatch):
+    from elastic.checkpoint import snapshot as snapshot_mod
+    from elastic.checkpoint.memclient import MemStateClient
+    from elastic.checkpoint.memstate import MemStateServer
+    from elastic.common.events import EventLog, read_events
+
+    server = MemStateServer(max_bytes=1 << 20)
+    client = MemStateClient(server.addr, server.token, timeout_s=5, keep_alive=True)
+    events = EventLog(tmp_path / "events.jsonl", "test")
+    pusher = snapshot_mod.SnapshotPusher(client, "n0", 0, 0, events)
+    state = {"w": torch.arange(6.0), "step": 0}
+    try:
+        pusher.push(capture(state, 1, 0, 0, 1))
+        thread = pusher._thread
+        pusher.push(capture(state, 2, 0, 0, 1))  # waits for the first, hands the second to the same thread
+        pusher.wait()
+        assert pusher._thread is thread and pusher.last_pushed == 2
+        assert client.snap_get("n0", 0, 2)[0].step == 2
+
+        def broken(snapshot):
+            raise KeyError("a bug in the encoder")
+
+        monkeypatch.setattr(snapshot_mod, "to_bytes", broken)
+        pusher.push(capture(state, 3, 0, 0, 1))
+        pusher.wait()  # returns: the failure is counted, never left hanging
+        assert pusher.failures == 1 and pusher.last_pushed == 2 and thread.is_alive()
+        failed = [e for e in read_events([tmp_path / "events.jsonl"]) if e["kind"] == "snapshot.push_failed"]
+        assert failed and failed[0]["step"] == 3 and "KeyError" in failed[0]["error"]
+        monkeypatch.undo()
+        pusher.push(capture(state, 4, 0, 0, 1))
+        pusher.wait()
+        assert pusher.last_pushed == 4 and pusher._thread is thread
+    finally:
+        client.close()
+        server.close()

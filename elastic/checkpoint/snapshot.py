@@ -110,9 +110,22 @@ class Snapshot:
         return self._tree
 
 
+_LEAVES = frozenset({int, float, str, bool, bytes, type(None)})
+
+
 def _skeleton(tree: Any, sources: list[torch.Tensor]) -> Any:
     """``tree`` with each tensor (a DTensor: its local shard, with the global shape) replaced by a
-    reference to its place in ``sources``; containers are new, other values are kept as they are."""
+    reference to its place in ``sources``; containers are new, other values are kept as they are.
+
+    Exact types first: most nodes are plain dicts and scalars, and an ``isinstance`` against the
+    ``Mapping`` ABC for each of them was a third of the walk (it runs on the training thread)."""
+    kind = type(tree)
+    if kind in _LEAVES:
+        return tree
+    if kind is dict:
+        return {key: _skeleton(value, sources) for key, value in tree.items()}
+    if kind is list:
+        return [_skeleton(value, sources) for value in tree]
     if isinstance(tree, DTensor):
         if any(not isinstance(p, Shard) or p.dim != 0 for p in tree.placements):
             raise SnapshotError(f"cannot snapshot a DTensor placed {tree.placements} (only Shard(0))")
@@ -221,7 +234,11 @@ def from_bytes(meta: SnapMeta, data: bytearray) -> Snapshot:
 
 
 class SnapshotPusher:
-    """Pushes each snapshot to the node agent on a background thread (one in flight at a time)."""
+    """Pushes each snapshot to the node agent on a background thread (one in flight at a time).
+
+    One thread for the worker's life, handed each snapshot through a condition: starting a thread
+    per push made the training thread wait for the new thread to be scheduled (``Thread.start``
+    blocks until it runs), 0.7-1.4 ms of every snapshotted step of the tiny DiT on 2 shared cores."""
 
     def __init__(self, client: MemStateClient, node: str, slot: int, epoch: int, events: EventLog,
                  kill_during: Callable[[int], bool] = lambda step: False) -> None:
@@ -229,6 +246,8 @@ class SnapshotPusher:
         self.kill_during = kill_during  # fault injection: die with a torn upload (elastic.worker.faults)
         self.node, self.slot, self.epoch = node, slot, epoch
         self.events = events
+        self._cond = threading.Condition()
+        self._job: Snapshot | None = None  # the snapshot in flight (None: nothing to wait for)
         self._thread: threading.Thread | None = None
         self.last_pushed: int | None = None
         self.failures = 0
@@ -236,14 +255,32 @@ class SnapshotPusher:
 
     def push(self, snapshot: Snapshot) -> None:
         self.wait()
-        self._thread = threading.Thread(target=self._push, args=(snapshot,), name="snapshot-push", daemon=True)
-        self._thread.start()
+        with self._cond:
+            self._job = snapshot
+            self._cond.notify_all()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._serve, name="snapshot-push", daemon=True)
+            self._thread.start()
 
     def wait(self) -> None:
         """Block until the snapshot in flight is stored by the agent (and its buddy), or failed."""
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+        with self._cond:
+            self._cond.wait_for(lambda: self._job is None)
+
+    def _serve(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._job is not None)
+                job = self._job
+            assert job is not None
+            try:
+                self._push(job)
+            except Exception as exc:  # noqa: BLE001 -- a waiting training thread must never hang on it
+                self._failed(job, exc)
+            finally:
+                with self._cond:
+                    self._job = None
+                    self._cond.notify_all()
 
     def _push(self, snapshot: Snapshot) -> None:
         t0 = time.monotonic()
@@ -256,13 +293,16 @@ class SnapshotPusher:
                 self.client.snap_put_torn(meta, chunks)  # never returns
             self.client.snap_put(meta, *chunks)
         except (MemStateError, OSError, RuntimeError, ValueError) as exc:
-            self.failures += 1
-            self.events.emit("snapshot.push_failed", step=snapshot.step, error=f"{type(exc).__name__}: {exc}"[:300])
+            self._failed(snapshot, exc)
             return
         self.last_pushed = snapshot.step
         self.push_s.append(time.monotonic() - t0)
         if snapshot.step % 50 == 0 or self.failures:
             self.events.emit("snapshot.pushed", step=snapshot.step, bytes=nbytes, push_s=round(self.push_s[-1], 6))
+
+    def _failed(self, snapshot: Snapshot, exc: BaseException) -> None:
+        self.failures += 1
+        self.events.emit("snapshot.push_failed", step=snapshot.step, error=f"{type(exc).__name__}: {exc}"[:300])
 
 
 # -- restore ---------------------------------------------------------------------------------------

@@ -82,4 +82,7 @@ class SnapshotStateDict:
             fqn.update(zip(group["params"], names))
         state = {fqn[index]: value for index, value in raw["state"].items() if index in fqn}
         groups = [{**group, "params": [fqn[i] for i in group["params"] if i in fqn]} for group in raw["param_groups"]]
-        return dict(self.model.state_dict()), {"state": state, "param_groups": groups}
+        # keep_vars: the parameters themselves, not a detached alias of each (a DTensor's detach goes
+        # through its dispatcher: 31 of them were 0.5 ms of the tiny DiT's 0.9 ms capture, quiet core).
+        # The snapshot only reads them, under no_grad.
+        return dict(self.model.state_dict(keep_vars=True)), {"state": state, "param_groups": groups}
