@@ -53,6 +53,7 @@ from elastic.worker.checksum import param_checksum, publish_checksum
 from elastic.worker.determinism import set_deterministic
 from elastic.worker.faults import FaultHooks
 from elastic.worker.hangprobe import HangProbe
+from elastic.worker.heap import HeapFreeze
 from elastic.worker.inprocess import EXIT_RECOVERY_FAILED, InProcess, is_peer_failure, wait_for_agent
 from elastic.worker.scalars import ScalarLog
 from elastic.worker.screen import BackgroundScreen
@@ -319,14 +320,17 @@ class WorkerSession:
         run = build(self)
         step = self._resume(run)
         self.screen_gate()
+        heap = HeapFreeze(self.events)
         while step < run.last_step:
             try:
                 run.step(step + 1)
                 step += 1
                 self._after_step(step, run)
+                heap.after_step(step)
             except Exception as exc:  # only a lost peer is handled here; everything else re-raises
                 if self.inproc is None or not is_peer_failure(exc):
                     raise
+                heap.thaw()
                 run, step = self._recover(build, step + 1, exc)
         return self.finish(run.model, run.last_step, **run.done_fields())
 

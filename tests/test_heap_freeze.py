@@ -1,0 +1,35 @@
+"""The worker's heap freeze: frozen after a world's first steps, thawed before a re-formation."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+from elastic.common.events import EventLog, read_events
+from elastic.worker.heap import HeapFreeze
+
+
+class _Cycle:
+    def __init__(self) -> None:
+        self.me = self
+
+
+def test_freezes_after_the_first_steps_without_freezing_garbage_and_thaws(tmp_path):
+    events = EventLog(tmp_path / "e.jsonl", "test")
+    heap = HeapFreeze(events, after_steps=2)
+    try:
+        heap.after_step(1)
+        assert not heap.frozen and gc.get_freeze_count() == 0
+        garbage = weakref.ref(_Cycle())  # only the collector can free it: collected, never frozen
+        heap.after_step(2)
+        assert heap.frozen and gc.get_freeze_count() > 0
+        assert garbage() is None
+        heap.after_step(3)  # frozen once
+        frozen = [e for e in read_events([tmp_path / "e.jsonl"]) if e["kind"] == "trainer.heap_frozen"]
+        assert [e["step"] for e in frozen] == [2] and frozen[0]["objects"] > 0
+        heap.thaw()
+        assert gc.get_freeze_count() == 0 and not heap.frozen
+        heap.after_step(10)
+        assert not heap.frozen  # a new world waits for its own first steps
+    finally:
+        gc.unfreeze()
