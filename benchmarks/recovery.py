@@ -205,26 +205,54 @@ def interleaved(args, work: Path) -> dict:
     block = args.snapshot_ab_block
     runs, on, off = [], [], []
     for i in range(args.snapshot_ab_runs):
-        run = run_mode(args, work, "inprocess", False, {"agent.inprocess.snapshot_ab_block": block}, tag=f"-ab{i}")
-        split = ab_intervals(read_run_events(work / f"inprocess-clean-ab{i}"), block)
+        run_dir = work / f"inprocess-clean-ab{i}"
+        run = run_mode(args, work, "inprocess", False, {"agent.inprocess.snapshot_ab_block": block,
+                                                         "trainer.steps": args.snapshot_ab_steps}, tag=f"-ab{i}")
+        events = read_run_events(run_dir)
+        warm = spares_warm(run_dir)
+        split = ab_intervals(events, block, after_ts=warm or 0.0)
         on += split["on"]
         off += split["off"]
         runs.append({"on_interval_s": _median(split["on"]), "off_interval_s": _median(split["off"]),
                      "ratio": _ratio(split["on"], split["off"]), "intervals": [len(split["on"]), len(split["off"])],
+                     "from_step": first_step_after(events, warm), "spares_warm": warm is not None,
                      "completed": run["completed"], "snapshot_costs_rank0": run.get("snapshot_costs_rank0")})
-    return {"block_steps": block, "runs": runs, "on_interval_s": _median(on), "off_interval_s": _median(off),
-            "ratio": _ratio(on, off)}
+    return {"block_steps": block, "steps": args.snapshot_ab_steps, "runs": runs, "on_interval_s": _median(on),
+            "off_interval_s": _median(off), "ratio": _ratio(on, off)}
 
 
-def ab_intervals(events: list[dict], block: int) -> dict[str, list[float]]:
+def spares_warm(run_dir: Path) -> float | None:
+    """When the last warm spare finished importing (its ``"warm"`` line), or None if one never did.
+
+    Each agent starts its spare once training runs; until it has imported torch, the trainer and
+    torch._dynamo (7-10 s of 2 shared cores here, ~60-80 DiT steps) it takes CPU from the
+    ranks unevenly, and an A/A run (no snapshots on either side) read 1.005 and 1.058."""
+    warm = []
+    for log in run_dir.glob("torchrun/*/*/spare-*.log"):
+        lines = [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
+        marks = [line["ts"] for line in lines if line.get("spare") == "warm" and "ts" in line]
+        if not marks:
+            return None
+        warm.append(marks[0])
+    return max(warm) if warm else None
+
+
+def first_step_after(events: list[dict], ts: float | None) -> int | None:
+    steps = [e["step"] for e in events if e["kind"] == "trainer.step" and e["source"] in RANK0
+             and (ts is None or e["ts"] >= ts)]
+    return min(steps) if steps else None
+
+
+def ab_intervals(events: list[dict], block: int, after_ts: float = 0.0) -> dict[str, list[float]]:
     """Rank 0's intervals from step s's event to s+1's, split by whether s was snapshotted (its copy
-    runs right after s, its push beside s+1).  The first on/off cycle is left out: it holds the first
-    step and the snapshot tree's one-time check against DCP's."""
+    runs right after s, its push beside s+1).  Left out: the first on/off cycle (it holds the first
+    step and the snapshot tree's one-time check against DCP's) and every step before ``after_ts``
+    (the spares' imports: :func:`spares_warm`)."""
     ts = {e["step"]: e["ts"] for e in events if e["kind"] == "trainer.step" and e["source"] in RANK0
           and e.get("committed", True)}
     split: dict[str, list[float]] = {"on": [], "off": []}
     for step in sorted(ts):
-        if step > 2 * block and step + 1 in ts:
+        if step > 2 * block and step + 1 in ts and ts[step] >= after_ts:
             split["on" if ab_snapshot_step(step, block) else "off"].append(ts[step + 1] - ts[step])
     return split
 
@@ -326,12 +354,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="fault-free in-process runs with snapshots in alternate blocks, for snapshot_step_ratio "
                         "(0: skip)")
     p.add_argument("--snapshot-ab-block", type=int, default=10, help="steps per block of those runs")
+    p.add_argument("--snapshot-ab-steps", type=int, default=0,
+                   help="steps of each of those runs (default: 400 (mlp), 300 (dit): the comparison starts once "
+                        "every warm spare has imported, ~80 steps in)")
     p.add_argument("--snapshot-pairs", type=int, default=0,
                    help="also: pairs of separate fault-free runs with snapshots off / on")
     p.add_argument("--json", dest="json_path", help="also write the JSON object to this file")
     args = p.parse_args(argv)
     args.steps = args.steps or (300 if args.trainer == "mlp" else 120)
     args.kill_at = args.kill_at or (100 if args.trainer == "mlp" else 40)
+    args.snapshot_ab_steps = args.snapshot_ab_steps or (400 if args.trainer == "mlp" else 300)
     return args
 
 

@@ -36,13 +36,13 @@ def main(argv: list[str] | None = None) -> int:
     import torch  # noqa: F401  (the point of a warm spare: this import is already paid when it is needed)
 
     module = importlib.import_module(args[1])
-    print(json.dumps({"spare": "ready", "pid": os.getpid(), "import_s": round(time.monotonic() - t0, 3)}),
-          flush=True)
+    print(json.dumps({"spare": "ready", "pid": os.getpid(), "import_s": round(time.monotonic() - t0, 3),
+                      "ts": time.time()}), flush=True)
     # FSDP2's first DTensor op imports torch._dynamo (sharding propagation): 0.9 s of a spare's
     # 1.2 s from its assignment to joining the generation (cProfile of a DiT spare, 4 local nodes).
     # In a thread after "ready": an assignment that comes first is not held back by it (the
     # trainer's own import of it then waits on the import lock, never imports twice).
-    threading.Thread(target=importlib.import_module, args=("torch._dynamo",), name="warm-dynamo", daemon=True).start()
+    threading.Thread(target=_warm, args=(t0,), name="warm-dynamo", daemon=True).start()
     line = sys.stdin.readline()
     if not line.strip():
         return 0
@@ -51,6 +51,13 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps({"spare": "assigned", "slot": assignment.get("slot"), "gen": assignment["env"].get("ELASTIC_JOIN_GEN"),
                       "wait_s": round(time.monotonic() - t0, 3)}), flush=True)
     return int(module.main(args[2:]) or 0)
+
+
+def _warm(t0: float) -> None:
+    """Import torch._dynamo, then say so: until then the spare still takes CPU from the node's
+    workers (``benchmarks/recovery.py`` measures steady-state step times only after every "warm")."""
+    importlib.import_module("torch._dynamo")
+    print(json.dumps({"spare": "warm", "warm_s": round(time.monotonic() - t0, 3), "ts": time.time()}), flush=True)
 
 
 if __name__ == "__main__":
