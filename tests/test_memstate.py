@@ -239,10 +239,14 @@ def test_kept_connection_carries_every_push_and_survives_the_store_closing_it():
         meta, data = client.snap_get("n0", 0)
         assert (meta.step, bytes(data)) == (3, b"c" * 64)
         with pytest.raises(MemStateRejected):
-            client.snap_put(_snap(4, b"d" * 64), b"x" * 64)  # bytes that do not match their sha256
+            client.snap_put(_snap(4, b"d" * (2 << 20)), b"d" * (2 << 20))  # more than the store may hold
         assert client._sock is None  # a refusal drops the kept connection
         client.snap_put(_snap(5, b"e" * 64), b"e" * 64)
         assert client.snap_get("n0", 0)[0].step == 5
+        client.snap_put(_snap(6, b"f" * 64), b"x" * 64)  # bytes that do not match their sha256: stored,
+        with pytest.raises(MemStateCorrupt):  # but never read back
+            client.snap_get("n0", 0, 6)
+        assert bytes(client.snap_get("n0", 0, 5)[1]) == b"e" * 64
     finally:
         client.close()
         server.close()

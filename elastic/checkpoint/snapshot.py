@@ -23,6 +23,7 @@ the same on every rank and come from the first old rank.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import statistics
 import threading
@@ -180,11 +181,14 @@ class SnapshotCosts:
 
     capture_s: list[float]
     wait_s: list[float]
+    capture_cpu_s: list[float] = dataclasses.field(default_factory=list)
+    """The training thread's own CPU time per capture (on shared cores ``capture_s`` includes waiting)."""
 
-    def summary(self, push_s: list[float]) -> dict[str, Any]:
-        def ms(values: list[float]) -> float | None:
+    def summary(self, push_s: list[float], push_cpu_s: list[float] | None = None) -> dict[str, Any]:
+        def ms(values: list[float] | None) -> float | None:
             return round(statistics.median(values) * 1000, 3) if values else None
         return {"snapshots": len(self.capture_s), "capture_ms_median": ms(self.capture_s),
+                "capture_cpu_ms_median": ms(self.capture_cpu_s), "push_cpu_ms_median": ms(push_cpu_s),
                 "wait_ms_median": ms(self.wait_s), "push_ms_median": ms(push_s),
                 "blocked_ms_total": round((sum(self.capture_s) + sum(self.wait_s)) * 1000, 1)}
 
@@ -252,6 +256,7 @@ class SnapshotPusher:
         self.last_pushed: int | None = None
         self.failures = 0
         self.push_s: list[float] = []  # each push's duration on the background thread (stats())
+        self.push_cpu_s: list[float] = []  # and that thread's CPU time for it
 
     def push(self, snapshot: Snapshot) -> None:
         self.wait()
@@ -283,7 +288,7 @@ class SnapshotPusher:
                     self._cond.notify_all()
 
     def _push(self, snapshot: Snapshot) -> None:
-        t0 = time.monotonic()
+        t0, cpu0 = time.monotonic(), time.thread_time()
         try:
             chunks = to_bytes(snapshot)
             sha, nbytes = sha256_chunks(chunks)
@@ -297,6 +302,7 @@ class SnapshotPusher:
             return
         self.last_pushed = snapshot.step
         self.push_s.append(time.monotonic() - t0)
+        self.push_cpu_s.append(time.thread_time() - cpu0)
         if snapshot.step % 50 == 0 or self.failures:
             self.events.emit("snapshot.pushed", step=snapshot.step, bytes=nbytes, push_s=round(self.push_s[-1], 6))
 

@@ -126,10 +126,11 @@ class InProcess:
     def snapshot(self, step: int, state: dict[str, Any], extra: dict[str, Any], world: int) -> None:
         if not self.snapshots_on or not ab_snapshot_step(step, self.ab_block):
             return
-        t0 = time.monotonic()
+        t0, cpu0 = time.monotonic(), time.thread_time()
         snap = capture(state, step, self.gen, self.rank, world, extra, ring=self.ring)
         self.ring.add(snap)
         self.costs.capture_s.append(time.monotonic() - t0)
+        self.costs.capture_cpu_s.append(time.thread_time() - cpu0)
         if self.pusher is not None:
             self.pusher.push(snap)
 
@@ -142,7 +143,8 @@ class InProcess:
 
     def snapshot_costs(self) -> dict[str, Any]:
         """For the done event: what the snapshots cost this rank's training thread (and the pushes)."""
-        return self.costs.summary(self.pusher.push_s if self.pusher is not None else [])
+        pusher = self.pusher
+        return self.costs.summary(pusher.push_s if pusher else [], pusher.push_cpu_s if pusher else [])
 
     # -- a fault ---------------------------------------------------------------------------
     def reform(self, backend: str, pg_timeout: timedelta) -> Plan:
