@@ -92,6 +92,8 @@ def test_dit_2x2_cp2_worker_kill_recovers_in_process_bitwise(tmp_path, subproces
     starts = {e["pid"] for e in events if e["kind"] == "trainer.start" and e["ts"] <= kill_ts}
     done = {e["pid"] for e in events if e["kind"] == "trainer.done"}
     assert len(starts & done) == 3
+    # The survivors' snapshots were copied beside their steps' starts (deferred), and restored bitwise.
+    assert all(e["snapshot"]["deferred"] > 0 for e in events if e["kind"] == "trainer.done" and e["pid"] in starts)
     assert summary["final_checksum"] == baseline["final_checksum"]
     assert summary["restarts_counted"] == 1
 

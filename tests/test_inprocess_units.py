@@ -228,6 +228,23 @@ def test_one_push_thread_carries_every_snapshot_and_survives_a_push_that_raises(
         pusher.push(capture(state, 4, 0, 0, 1))
         pusher.wait()
         assert pusher.last_pushed == 4 and pusher._thread is thread
+
+        def unsupported():
+            raise snapshot_mod.SnapshotError("cannot snapshot a DTensor placed (Replicate(),)")
+
+        pusher.submit(unsupported)  # a deferred capture: its error reaches the training thread
+        with pytest.raises(snapshot_mod.SnapshotError):
+            pusher.wait_captured()
+        pusher.wait()
+        assert pusher.last_pushed == 4
+        state["w"] += 1
+        pusher.submit(lambda: capture(state, 5, 0, 0, 1))
+        pusher.wait_captured()
+        state["w"] += 1  # after the capture: not in the snapshot
+        pusher.wait()
+        meta, data = client.snap_get("n0", 0, 5)
+        from elastic.checkpoint.memory import decode_state
+        assert torch.equal(decode_state(data)[0]["w"], torch.arange(6.0) + 1)
     finally:
         client.close()
         server.close()

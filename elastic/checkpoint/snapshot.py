@@ -177,20 +177,25 @@ def extra_of(snapshot: Snapshot) -> dict[str, Any]:
 
 @dataclass
 class SnapshotCosts:
-    """What per-step snapshots cost the training thread: the copy, and waiting for the previous push."""
+    """What per-step snapshots cost: the copy (on whichever thread took it), the training thread's
+    waits for a copy taken in the background and for the previous push, and its total time blocked."""
 
-    capture_s: list[float]
-    wait_s: list[float]
+    capture_s: list[float] = dataclasses.field(default_factory=list)
     capture_cpu_s: list[float] = dataclasses.field(default_factory=list)
-    """The training thread's own CPU time per capture (on shared cores ``capture_s`` includes waiting)."""
+    """The copying thread's own CPU time per capture (on shared cores ``capture_s`` includes waiting)."""
+    capture_wait_s: list[float] = dataclasses.field(default_factory=list)
+    wait_s: list[float] = dataclasses.field(default_factory=list)
+    deferred: int = 0
+    """Captures taken on the push thread while the training thread went on."""
+    blocked_s: float = 0.0
 
     def summary(self, push_s: list[float], push_cpu_s: list[float] | None = None) -> dict[str, Any]:
         def ms(values: list[float] | None) -> float | None:
             return round(statistics.median(values) * 1000, 3) if values else None
-        return {"snapshots": len(self.capture_s), "capture_ms_median": ms(self.capture_s),
-                "capture_cpu_ms_median": ms(self.capture_cpu_s), "push_cpu_ms_median": ms(push_cpu_s),
-                "wait_ms_median": ms(self.wait_s), "push_ms_median": ms(push_s),
-                "blocked_ms_total": round((sum(self.capture_s) + sum(self.wait_s)) * 1000, 1)}
+        return {"snapshots": len(self.capture_s), "deferred": self.deferred, "capture_ms_median": ms(self.capture_s),
+                "capture_cpu_ms_median": ms(self.capture_cpu_s), "capture_wait_ms_median": ms(self.capture_wait_s),
+                "push_cpu_ms_median": ms(push_cpu_s), "wait_ms_median": ms(self.wait_s),
+                "push_ms_median": ms(push_s), "blocked_ms_total": round(self.blocked_s * 1000, 1)}
 
 
 class SnapshotRing:
@@ -238,11 +243,17 @@ def from_bytes(meta: SnapMeta, data: bytearray) -> Snapshot:
 
 
 class SnapshotPusher:
-    """Pushes each snapshot to the node agent on a background thread (one in flight at a time).
+    """Takes (optionally) and pushes each snapshot to the node agent on a background thread, one
+    at a time.
 
-    One thread for the worker's life, handed each snapshot through a condition: starting a thread
-    per push made the training thread wait for the new thread to be scheduled (``Thread.start``
-    blocks until it runs), 0.7-1.4 ms of every snapshotted step of the tiny DiT on 2 shared cores."""
+    One thread for the worker's life, handed each job through a condition: starting a thread per
+    push made the training thread wait for the new thread to be scheduled (``Thread.start`` blocks
+    until it runs), 0.7-1.4 ms of every snapshotted step of the tiny DiT on 2 shared cores.
+
+    A job is a snapshot already taken (:meth:`push`) or a function that takes it (:meth:`submit`):
+    then the copy itself runs on this thread too, while the training thread goes on to the next
+    step's device work, and :meth:`wait_captured` holds the training thread before that step
+    changes any state the copy reads (see :meth:`InProcess.snapshot`)."""
 
     def __init__(self, client: MemStateClient, node: str, slot: int, epoch: int, events: EventLog,
                  kill_during: Callable[[int], bool] = lambda step: False) -> None:
@@ -251,7 +262,9 @@ class SnapshotPusher:
         self.node, self.slot, self.epoch = node, slot, epoch
         self.events = events
         self._cond = threading.Condition()
-        self._job: Snapshot | None = None  # the snapshot in flight (None: nothing to wait for)
+        self._job: Callable[[], Snapshot] | None = None  # the job in flight (None: nothing to wait for)
+        self._captured = True  # the job in flight has taken its snapshot (or failed to)
+        self._capture_error: BaseException | None = None
         self._thread: threading.Thread | None = None
         self.last_pushed: int | None = None
         self.failures = 0
@@ -259,13 +272,32 @@ class SnapshotPusher:
         self.push_cpu_s: list[float] = []  # and that thread's CPU time for it
 
     def push(self, snapshot: Snapshot) -> None:
+        self.submit(lambda: snapshot)
+
+    def submit(self, take: Callable[[], Snapshot]) -> None:
+        """Run ``take`` and push what it returns, on the background thread."""
         self.wait()
         with self._cond:
-            self._job = snapshot
+            self._job, self._captured = take, False
             self._cond.notify_all()
         if self._thread is None:
             self._thread = threading.Thread(target=self._serve, name="snapshot-push", daemon=True)
             self._thread.start()
+
+    def wait_captured(self) -> None:
+        """Block until the job in flight has taken its snapshot; re-raises what the taking raised
+        (a state that cannot be snapshotted fails the training thread, as a capture there would)."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._captured)
+            error, self._capture_error = self._capture_error, None
+        if error is not None:
+            raise error
+
+    def take_error(self) -> BaseException | None:
+        """What the last deferred capture raised (and forget it)."""
+        with self._cond:
+            error, self._capture_error = self._capture_error, None
+        return error
 
     def wait(self) -> None:
         """Block until the snapshot in flight is stored by the agent (and its buddy), or failed."""
@@ -279,13 +311,31 @@ class SnapshotPusher:
                 job = self._job
             assert job is not None
             try:
-                self._push(job)
-            except Exception as exc:  # noqa: BLE001 -- a waiting training thread must never hang on it
-                self._failed(job, exc)
+                snapshot = self._take(job)
+                if snapshot is not None:
+                    self._guarded_push(snapshot)
             finally:
                 with self._cond:
-                    self._job = None
+                    self._job, self._captured = None, True
                     self._cond.notify_all()
+
+    def _take(self, job: Callable[[], Snapshot]) -> Snapshot | None:
+        try:
+            return job()
+        except Exception as exc:  # noqa: BLE001 -- handed to the training thread (wait_captured)
+            with self._cond:
+                self._capture_error = exc
+            return None
+        finally:
+            with self._cond:
+                self._captured = True
+                self._cond.notify_all()
+
+    def _guarded_push(self, snapshot: Snapshot) -> None:
+        try:
+            self._push(snapshot)
+        except Exception as exc:  # noqa: BLE001 -- a waiting training thread must never hang on it
+            self._failed(snapshot, exc)
 
     def _push(self, snapshot: Snapshot) -> None:
         t0, cpu0 = time.monotonic(), time.thread_time()

@@ -98,7 +98,8 @@ class InProcess:
         self.ring = SnapshotRing()
         self.snapshots_on = env.snapshots != "0"
         self.ab_block = int(env.snapshots[3:]) if env.snapshots.startswith("ab:") else 0
-        self.costs = SnapshotCosts([], [])
+        self.costs = SnapshotCosts()
+        self._pending_capture = False  # a deferred capture not yet waited for (captured())
         self.pusher = SnapshotPusher(self.client, env.node_id, local_rank, self.epoch, events) if self.client else None
         self.gen = int(env.join_gen) if env.join_gen else 0
         self.rank = -1
@@ -123,23 +124,56 @@ class InProcess:
         if self.gen == 0:
             self.gens.register(self.slot, rank)
 
-    def snapshot(self, step: int, state: dict[str, Any], extra: dict[str, Any], world: int) -> None:
+    def snapshot(self, step: int, state: dict[str, Any], extra: dict[str, Any], world: int,
+                 deferred: bool = False) -> None:
+        """Take this rank's snapshot of ``step`` and push it.  ``deferred``: the copy is taken on the
+        push thread while the training thread goes on to the next step's start (device work: the
+        trainer's ``step_sleep`` here); the trainer's sync point (:meth:`captured`) then waits for it
+        before the step changes any state.  Measured on the DiT benchmark (4 nodes, 2 shared cores):
+        the copy was 1.3 ms of the training thread's CPU per step, the largest part of what a
+        snapshot cost a step."""
         if not self.snapshots_on or not ab_snapshot_step(step, self.ab_block):
             return
+        if deferred and self.pusher is not None:
+            self.costs.deferred += 1
+            self._pending_capture = True
+            self.pusher.submit(lambda: self._capture(step, state, extra, world))
+            return
+        t0 = time.monotonic()
+        snap = self._capture(step, state, extra, world)
+        self.costs.blocked_s += time.monotonic() - t0
+        if self.pusher is not None:
+            self.pusher.push(snap)
+
+    def _capture(self, step: int, state: dict[str, Any], extra: dict[str, Any], world: int) -> Snapshot:
         t0, cpu0 = time.monotonic(), time.thread_time()
         snap = capture(state, step, self.gen, self.rank, world, extra, ring=self.ring)
         self.ring.add(snap)
         self.costs.capture_s.append(time.monotonic() - t0)
         self.costs.capture_cpu_s.append(time.thread_time() - cpu0)
-        if self.pusher is not None:
-            self.pusher.push(snap)
+        return snap
+
+    def captured(self) -> None:
+        """Before the step changes any state a snapshot holds: the deferred copy is taken."""
+        if self.pusher is None or not self._pending_capture:
+            return
+        t0 = time.monotonic()
+        self.pusher.wait_captured()
+        self._pending_capture = False
+        waited = time.monotonic() - t0
+        self.costs.capture_wait_s.append(waited)
+        self.costs.blocked_s += waited
 
     def before_collectives(self) -> None:
         """The previous step's snapshot must be off-process before this step's last collectives."""
         if self.pusher is not None:
             t0 = time.monotonic()
             self.pusher.wait()
-            self.costs.wait_s.append(time.monotonic() - t0)
+            self._pending_capture = False
+            waited = time.monotonic() - t0
+            self.costs.wait_s.append(waited)
+            self.costs.blocked_s += waited
+            self.pusher.wait_captured()  # raises what a deferred capture raised
 
     def snapshot_costs(self) -> dict[str, Any]:
         """For the done event: what the snapshots cost this rank's training thread (and the pushes)."""
@@ -153,6 +187,8 @@ class InProcess:
         previous = self.gens.ranks(self.gen)
         if self.pusher is not None:
             self.pusher.wait()
+            self.pusher.take_error()  # the failed world's last capture: moot now
+            self._pending_capture = False
         if dist.is_initialized():
             shut = sever_connections(self._keep_ports())
             self.events.emit("recovery.severed", connections=shut, gen=self.gen)

@@ -203,6 +203,7 @@ class WorkerSession:
         self._t0 = 0.0
         self._wait = 0.0
         self._commit_points = False  # the trainer calls commit_point(): snapshot pushes overlap its steps
+        self._sync_points = False  # the trainer calls sync_point(): snapshot copies overlap its steps' starts
         self._step = 0
 
     @classmethod
@@ -272,7 +273,14 @@ class WorkerSession:
             self.inproc.before_collectives()
 
     def sync_point(self) -> None:
-        """The step's sync point: time spent here is waiting for slower peers, not work (busy time)."""
+        """The step's sync point: time spent here is waiting for slower peers, not work (busy time).
+
+        Call it before the step changes any state a snapshot holds (the sampler, the RNG, the
+        weights): once a trainer has called it, each step's memory snapshot is copied on a
+        background thread while the next step starts, and waited for here."""
+        self._sync_points = True
+        if self.inproc is not None:
+            self.inproc.captured()
         t_sync = time.monotonic()
         with self.probe.collective("sync", self._step):
             dist.all_reduce(check_device(self._sync))
@@ -355,7 +363,7 @@ class WorkerSession:
     def _after_step(self, step: int, run: Trainable) -> None:
         extra = run.extra()
         if self.inproc is not None:
-            self.inproc.snapshot(step, run.state(), extra, self.world)
+            self.inproc.snapshot(step, run.state(), extra, self.world, deferred=self._sync_points)
         self.maybe_save(step, run.last_step, run.state(), extra=extra or None)
 
     def _recover(self, build: Callable[[WorkerSession], Trainable], step: int, exc: BaseException
