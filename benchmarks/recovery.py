@@ -28,8 +28,9 @@ Measured per mode, from the trainers' event logs:
 Top level: ``ratio_inprocess_vs_torchrun_c10d`` and ``ratio_replicas_vs_torchrun_c10d`` (recovery_s),
 ``snapshot_step_ratio``: the in-process mode's median step interval (rank 0, step to step, so the
 snapshot's copy on the training thread counts) after steps with a snapshot over after steps without,
-fault-free, in ``--snapshot-ab-runs`` runs that alternate blocks of ``--snapshot-ab-block`` steps
-with and without (``agent.inprocess.snapshot_ab_block``; details under ``snapshot_overhead``;
+fault-free, in ``--snapshot-ab-runs`` runs of ``--snapshot-ab-steps`` steps that alternate blocks of
+``--snapshot-ab-block`` steps with and without (``agent.inprocess.snapshot_ab_block``), counted from
+the step after every node's warm spare has finished importing (details under ``snapshot_overhead``;
 ``--snapshot-pairs`` adds the older comparison of separate runs); ``inprocess_vs_runtime_ckpt_step_ratio``
 (the same interval, in-process mode over in-process off); the load average before and after.  Prints one JSON object; ``--json PATH`` writes it too.
 """
@@ -350,7 +351,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--preflight", action="store_true", help="keep the agents' diag screens on")
     p.add_argument("--keep", help="keep run directories here instead of a temporary directory")
     p.add_argument("--only", choices=MODES, action="append")
-    p.add_argument("--snapshot-ab-runs", type=int, default=2,
+    p.add_argument("--snapshot-ab-runs", type=int, default=3,
                    help="fault-free in-process runs with snapshots in alternate blocks, for snapshot_step_ratio "
                         "(0: skip)")
     p.add_argument("--snapshot-ab-block", type=int, default=10, help="steps per block of those runs")
