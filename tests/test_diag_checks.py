@@ -12,7 +12,7 @@ from diagnostics import checks
 from diagnostics.checks import Context
 from diagnostics.checks.collective import allreduce_factor, busbw
 from diagnostics.checks.etcd import min_abs, skew_interval
-from diagnostics.checks.gemm import fp8_supported, run_gemm
+from diagnostics.checks.gemm import CPU_FP8_SKIPPED, fp8_supported, run_gemm
 from diagnostics.checks.gpu import xid_class
 from diagnostics.readers import InjectedReader, SysfsReader, load_injection
 from diagnostics.thresholds import NON_CRITICAL_XIDS, Thresholds, load_thresholds
@@ -218,7 +218,8 @@ def test_gemm_really_runs_on_cpu_and_verifies():
     # Throughput on a shared host may dip under the warn level; correctness may not.
     assert r.verdict in ("pass", "warn"), r.reason
     cpu = r.details["devices"]["cpu"]
-    dtypes = ("fp32", "bf16", "fp8") if fp8_supported(torch.device("cpu")) else ("fp32", "bf16")
+    dtypes = ("fp32", "bf16")
+    assert cpu["fp8"] == CPU_FP8_SKIPPED  # an emulated kernel's speed is no health signal
     for dtype in dtypes:
         assert cpu[dtype]["tflops"] > 0 and cpu[dtype]["iters"] >= 1
         assert cpu[dtype]["consistent"] is True

@@ -329,17 +329,20 @@ class WorkerSession:
         step = self._resume(run)
         self.screen_gate()
         heap = HeapFreeze(self.events)
-        while step < run.last_step:
-            try:
-                run.step(step + 1)
-                step += 1
-                self._after_step(step, run)
-                heap.after_step(step)
-            except Exception as exc:  # only a lost peer is handled here; everything else re-raises
-                if self.inproc is None or not is_peer_failure(exc):
-                    raise
-                heap.thaw()
-                run, step = self._recover(build, step + 1, exc)
+        try:
+            while step < run.last_step:
+                try:
+                    run.step(step + 1)
+                    step += 1
+                    self._after_step(step, run)
+                    heap.after_step(step)
+                except Exception as exc:  # only a lost peer is handled here; everything else re-raises
+                    if self.inproc is None or not is_peer_failure(exc):
+                        raise
+                    heap.thaw()
+                    run, step = self._recover(build, step + 1, exc)
+        finally:
+            heap.thaw()  # a caller that goes on (a test, a notebook) gets its collector back whole
         return self.finish(run.model, run.last_step, **run.done_fields())
 
     def screen_gate(self) -> None:
