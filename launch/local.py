@@ -19,7 +19,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,8 +30,9 @@ from elastic.common.events import EventLog
 from elastic.control.keys import RunKeys
 from elastic.control.runstate import RunState
 from elastic.control.store import EtcdStore, StoreError
-from elastic.common.procs import child_preexec, descendants, terminate_tree
+from elastic.common.procs import descendants, terminate_tree
 from elastic.run.schema import RESOLVED_NAME, RunConfig, dump_run_file
+from launch.agentproc import ForkedProc, agent_argv, start_agent
 from launch.summary import EXIT_UNSAVED, format_summary, summarize
 
 __all__ = ["Launcher", "LaunchResult", "format_summary"]
@@ -44,7 +44,7 @@ if TYPE_CHECKING:
 @dataclass
 class AgentProc:
     node_id: str
-    proc: subprocess.Popen[bytes]
+    proc: subprocess.Popen[bytes] | ForkedProc
     log_path: Path
     rc: int | None = None
 
@@ -94,18 +94,13 @@ class Launcher:
             return self.cfg.launch.local_addr
         return socket.getfqdn() if self.cfg.launch.etcd_endpoint else "127.0.0.1"
 
-    def _spawn_agent(self, node_id: str, endpoint: str, config_path: Path) -> AgentProc:
+    def _spawn_agent(self, node_id: str, endpoint: str, config_path: Path, fork: bool = True) -> AgentProc:
+        """Start one agent; forked from this process while that is safe (launch.agentproc says when)."""
         log_path = self.run_dir / "logs" / f"agent-{node_id}.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-m", "elastic.agent", "--run-id", self.cfg.run.id, "--node-id", node_id,
-               "--etcd-endpoint", endpoint, "--run-dir", str(self.run_dir), "--config", str(config_path),
-               "--local-addr", self.local_addr()]
-        with open(log_path, "ab") as log:
-            # Own session: a terminal Ctrl-C reaches only the launcher, which then stops the
-            # agents in order instead of every process receiving SIGINT at once.
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                    preexec_fn=child_preexec(signal.SIGTERM))
-        self.events.emit("launcher.agent_started", node=node_id, agent_pid=proc.pid)
+        argv = agent_argv(self.cfg.run.id, node_id, endpoint, self.run_dir, config_path, self.local_addr())
+        proc, how = start_agent(argv, log_path, fork=fork)
+        self.events.emit("launcher.agent_started", node=node_id, agent_pid=proc.pid, start=how)
         return AgentProc(node_id, proc, log_path)
 
     # -- run ------------------------------------------------------------------
@@ -221,7 +216,8 @@ class Launcher:
                     for i, agent in enumerate(self.agents):
                         if agent.rc == EXIT_EXCLUDED and not done and state.exclusions.get(agent.node_id) is None:
                             self.events.emit("launcher.agent_respawn", node=agent.node_id)
-                            self.agents[i] = self._spawn_agent(agent.node_id, endpoint, config_path)
+                            # Exec'd, not forked: this process now holds etcd clients whose sockets a child would share.
+                            self.agents[i] = self._spawn_agent(agent.node_id, endpoint, config_path, fork=False)
                 except StoreError as exc:
                     self.events.emit("launcher.store_error", error=str(exc))
             time.sleep(0.1)

@@ -86,13 +86,18 @@ def _parent(pid: int) -> int:
         return int(fh.read().rsplit(")", 1)[1].split()[1])
 
 
-def _agents(procs: dict[int, str]) -> dict[str, dict[str, str]]:
-    """node id -> Slurm's variables of the agent process that runs it."""
+def _agents(run_dir: Path, procs: dict[int, str]) -> dict[str, dict[str, str]]:
+    """node id -> Slurm's variables of the live agent process that runs it.
+
+    The launcher forks its agent (launch.agentproc): the pid comes from its event, the command line
+    is the launcher's and the process is named elastic-agent.
+    """
     agents = {}
-    for pid, cmd in procs.items():
-        if "-m elastic.agent" in cmd:
-            words = cmd.split()
-            agents[words[words.index("--node-id") + 1]] = _environ(pid)
+    for event in read_run_events(run_dir):
+        pid = event.get("agent_pid")
+        if event["kind"] == "launcher.agent_started" and pid in procs:
+            assert Path(f"/proc/{pid}/comm").read_text().strip() == "elastic-agent"
+            agents[event["node"]] = _environ(pid)
     return agents
 
 
@@ -145,7 +150,7 @@ def test_sbatch_screens_cancels_and_resumes_under_real_slurm(slurm, tmp_path, su
     _wait_event(slurm, job1, tmp_path, lambda e: e["kind"] == "trainer.step" and e["step"] >= 3, timeout=120)
     assert slurm.job(job1)["NodeList"] == "n[1-3]"  # three Slurm nodes, one slurmd each
     procs = _job_processes(job1)
-    agents = _agents(procs)
+    agents = _agents(run_dir, procs)
     # Every task is one agent whose node id is Slurm's node name, on its own task rank.
     assert sorted(agents) == NODES, procs
     assert all(agents[n]["SLURMD_NODENAME"] == n for n in NODES)
@@ -179,7 +184,7 @@ def test_sbatch_screens_cancels_and_resumes_under_real_slurm(slurm, tmp_path, su
     job2 = slurm.sbatch(SBATCH, *SBATCH_ARGS, f"--chdir={tmp_path}", env=env)
     _wait_event(slurm, job2, tmp_path, lambda e: e["kind"] == "trainer.start" and e["ts"] >= submitted, timeout=120)
     procs = _job_processes(job2)
-    assert sorted(_agents(procs)) == ["n1", "n2"]
+    assert sorted(_agents(run_dir, procs)) == ["n1", "n2"]
     assert cmdline(_parent(_etcd_pid(procs))).endswith("slurm_script")
     record = slurm.wait_job(job2, timeout=120)
     assert (record["JobState"], record["ExitCode"]) == ("COMPLETED", "0:0"), record

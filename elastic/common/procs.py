@@ -16,6 +16,7 @@ import time
 from collections.abc import Iterable
 
 _PR_SET_PDEATHSIG = 1
+_PR_SET_NAME = 15
 
 
 def set_parent_death_signal(sig: int = signal.SIGTERM) -> None:
@@ -23,6 +24,15 @@ def set_parent_death_signal(sig: int = signal.SIGTERM) -> None:
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+def set_process_name(name: str) -> None:
+    """Name this process for ``ps -e``, ``top`` and ``pgrep NAME`` (Linux keeps 15 bytes of it)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_NAME, ctypes.c_char_p(name.encode()[:15]), 0, 0, 0)
     except (OSError, AttributeError):
         pass
 
