@@ -137,6 +137,10 @@ def run_mode(args, work: Path, mode: str, faulty: bool, extra: dict | None = Non
         clean_measure(read_run_events(run_dir), started, time.time())
     out["rc"] = rc
     out["final_checksum"] = checksum(run_dir)
+    if faulty and mode == "inprocess" and out.get("breakdown") and kill_ts is not None:
+        # A fault before the spare has imported torch._dynamo makes it finish that import first
+        # (~1 s of a DiT worker loss at step 40 here): say which case this run measured.
+        out["breakdown"]["spare_warm_at_fault"] = assigned_spare_warm(run_dir, kill_ts)
     return out
 
 
@@ -220,6 +224,16 @@ def interleaved(args, work: Path) -> dict:
                      "completed": run["completed"], "snapshot_costs_rank0": run.get("snapshot_costs_rank0")})
     return {"block_steps": block, "steps": args.snapshot_ab_steps, "runs": runs, "on_interval_s": _median(on),
             "off_interval_s": _median(off), "ratio": _ratio(on, off)}
+
+
+def assigned_spare_warm(run_dir: Path, kill_ts: float) -> bool | None:
+    """Whether the spare that took the dead worker's slot had finished warming by the fault (None: no
+    spare took a slot, e.g. after a node loss)."""
+    for log in run_dir.glob("torchrun/*/*/spare-*.log"):
+        lines = [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
+        if any(line.get("spare") == "assigned" for line in lines):
+            return any(line.get("spare") == "warm" and line.get("ts", kill_ts + 1) <= kill_ts for line in lines)
+    return None
 
 
 def spares_warm(run_dir: Path) -> float | None:
