@@ -52,6 +52,7 @@ def summarize(cfg: RunConfig, run_dir: Path, nodes: dict[str, int | None], wall_
         "stop_reasons": stop_reasons(events, nodes),
         "excluded": excluded,
         "hangs_detected": sum(1 for e in events if e["kind"] == "agent.hang_detected"),
+        "trajectory_changed": trajectory_changes(events),
         "rollbacks": sum(1 for e in events if e["kind"] == "agent.rollback"),
         **restart_counts(events),
         "checkpoints_committed": sorted({e["step"] for e in commits}),
@@ -65,6 +66,17 @@ def summarize(cfg: RunConfig, run_dir: Path, nodes: dict[str, int | None], wall_
 
 def _node(event: dict[str, Any]) -> str:
     return event["source"].split("/", 1)[1]
+
+
+def trajectory_changes(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """In-process recoveries that did not restore every rank's state bitwise (one per generation):
+    from there on the run is not the fault-free run, and the summary says so."""
+    seen: dict[int, dict[str, Any]] = {}
+    for e in events:
+        if e["kind"] == "trainer.recovered" and e.get("bitwise") is False:
+            seen.setdefault(int(e.get("gen", 0)), {"gen": e.get("gen"), "step": e.get("step"),
+                                                   "reason": e.get("trajectory_changed")})
+    return [seen[g] for g in sorted(seen)]
 
 
 def restart_counts(events: list[dict[str, Any]]) -> dict[str, int]:
@@ -125,6 +137,7 @@ def format_summary(summary: dict[str, Any]) -> str:
         "nodes: " + ", ".join(f"{n}=rc{rc}" for n, rc in summary["nodes"].items()),
         *[f"  {node} {reason}" for node, reason in summary["stop_reasons"].items()],
         *[f"fault: {_fault_line(f)}" for f in summary["faults"]],
+        *[f"NOT BITWISE from step {t['step']}: {t['reason']}" for t in summary.get("trajectory_changed", [])],
         *(["excluded: " + ", ".join(f"{n} ({r})" for n, r in summary["excluded"].items())]
           if summary["excluded"] else []),
         f"checkpoints: {summary['checkpoints_committed']}",

@@ -53,6 +53,7 @@ class AttemptResult:
     attempt_dir: Path | None = None
     decision: Any = None  # set when the failure was already decided and counted (in-process path)
     step: int | None = None  # the newest step a local rank reported (where the fault hit)
+    gen: int | None = None  # in-process: the generation that replaces the dead worker (names the fault)
 
 
 @dataclass

@@ -61,7 +61,7 @@ class FailureHandler:
             action = "restart"
         if counted:
             self.failures += 1
-            self._record(kind, detail, epoch, result.step)
+            self._record(kind, detail, epoch, result.step, result.gen)
         elif kind in _PEER_FAULTS:  # another node's fault: say where the run stood (the leader names the node)
             self._notice(kind, epoch, result.step)
         return Decision(kind, detail, counted, action, f"{kind.value}: {detail}")
@@ -72,14 +72,14 @@ class FailureHandler:
         except StoreError as exc:
             self.events.emit("agent.store_error", op="notice_fault", error=str(exc))
 
-    def _record(self, kind: FailureKind, detail: str, epoch: int, step: int | None) -> None:
+    def _record(self, kind: FailureKind, detail: str, epoch: int, step: int | None, gen: int | None = None) -> None:
         """This node's counted failure: its lemon record, and the run's one record of this fault."""
         try:
             self.state.record_failure(self.node_id, kind.value, epoch)
             if self.state.record_fault(epoch, self.node_id, {"kind": kind.value, "detail": detail, "step": step,
-                                                              "by": self.node_id}):
+                                                              "by": self.node_id}, gen):
                 self.events.emit("run.fault", epoch=epoch, node=self.node_id, failure_kind=kind.value, detail=detail,
-                                 step=step, by=self.node_id)
+                                 step=step, by=self.node_id, **({"gen": gen} if gen is not None else {}))
         except StoreError as exc:
             self.events.emit("agent.store_error", op="record_failure", error=str(exc))
 

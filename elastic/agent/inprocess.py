@@ -37,7 +37,7 @@ from elastic.checkpoint.memstate import MemStateError, MemStateServer, SnapMeta
 from elastic.common.env import WorkerEnv
 from elastic.common.events import EventLog
 from elastic.common.exits import EXIT_CHECKPOINT, EXIT_CONFIG, EXIT_NUMERICS, EXIT_RECOVERY_FAILED, EXIT_SCREEN_FAILED
-from elastic.common.procs import reap, terminate_tree
+from elastic.common.procs import NotOurChild, reap, reap_quietly, terminate_tree
 from elastic.control.generations import Generations
 from elastic.control.runstate import RunState
 from elastic.control.store import StoreError
@@ -136,6 +136,26 @@ def ring_successor(node_id: str, nodes: dict[str, dict]) -> tuple[str, str, str]
 _DELIBERATE = frozenset({EXIT_NUMERICS, EXIT_SCREEN_FAILED, EXIT_CONFIG, EXIT_CHECKPOINT})
 
 
+UNKNOWN_EXIT = 255
+"""The status of a slot's process that this agent cannot wait for (torchrun reaped it before it
+retired): it ended, how is unknown; a failure, never a success."""
+
+
+def _exit_status(pid: int) -> int | None:
+    try:
+        return reap(pid)
+    except NotOurChild:
+        return UNKNOWN_EXIT
+
+
+def _ended(rc: int | None) -> str:
+    if rc == UNKNOWN_EXIT:
+        return "ended with an unknown status (not this agent's child to wait for)"
+    if rc == 0:
+        return "exited 0 before reporting the run's final step"
+    return f"killed by signal {-rc}" if rc is not None and rc < 0 else f"exited {rc}"
+
+
 def _death_kind(rc: int) -> FailureKind | None:
     if rc == EXIT_RECOVERY_FAILED:
         return FailureKind.RECOVERY_FAILED
@@ -145,7 +165,14 @@ def _death_kind(rc: int) -> FailureKind | None:
 
 
 class InProcessWorkers:
-    """The node's workers once torchrun is retired (see the module docstring)."""
+    """The node's workers once torchrun is retired (see the module docstring).
+
+    A slot is a process and a rank, kept apart: whether a slot's process lives comes only from
+    ``waitpid`` on this agent's own children (:func:`~elastic.common.procs.reap`), and whether its
+    rank is done only from that process's report of the run's final step.  Before torchrun retires,
+    step reports tell the agent its workers' pids; after, a slot changes hands only when the spare
+    takes it, so a dead worker's late reports (drained after an agent stall) cannot re-point it.
+    """
 
     def __init__(self, spec: NodeSpec, config: InProcessConfig, state: RunState, events: EventLog,
                  memstate: MemStateServer, epoch: int) -> None:
@@ -155,26 +182,41 @@ class InProcessWorkers:
         self.gens = Generations(state.store, state.keys, epoch)
         self.pids: dict[int, int] = {}  # local rank -> worker pid
         self.finished: set[int] = set()
+        self.done: dict[int, int] = {}  # local rank -> the pid that reported the run's final step
         self.detached = False
         self.gen = 0
+        self.step = 0  # the newest step a slot's worker reported (where a fault hits)
         self.spare: subprocess.Popen[bytes] | None = None
+        self.spare_deaths: list[float] = []  # when spares died unassigned (a node that keeps killing them)
         self.worker_env: WorkerEnv | None = None
         self._probing: set[int] = set()
+        self._fault_steps: dict[int, int] = {}  # generation -> the step its fault hit (a worker's report)
+        self._closed = threading.Event()  # set when the node's workers are done or stopped: probes end
         self._attempt: TorchrunAttempt | None = None
         self.on_replace = lambda: None  # the supervisor's heartbeat monitor: the slot is re-forming
+        self.drain_reports = lambda: None  # the supervisor: read the reports queued so far (observe())
 
     # -- reports --------------------------------------------------------------------------
     def observe(self, report: dict) -> None:
-        kind, local = report.get("type"), report.get("local_rank")
+        kind, local, pid = report.get("type"), report.get("local_rank"), int(report.get("pid", 0))
         if kind == "step" and local is not None and int(local) not in self.finished:
-            self.pids[int(local)] = int(report.get("pid", 0))
+            if not self.detached:
+                self.pids[int(local)] = pid
+            if self.detached and self.pids.get(int(local)) != pid:
+                return  # a process that no longer holds the slot (its late reports)
             self.gen = max(self.gen, int(report.get("gen", 0)))
+            self.step = max(self.step, int(report.get("step", 0)))
+        elif kind == "done" and local is not None and self.pids.get(int(local)) == pid:
+            self.done[int(local)] = pid
         elif kind == "fault":
-            self._probe_later(int(report.get("gen", self.gen)) + 1)
+            gen = int(report.get("gen", self.gen)) + 1
+            if report.get("step") is not None:
+                self._fault_steps.setdefault(gen, int(report["step"]))
+            self._probe_later(gen)
         elif kind == "recovered":
             self.gen = max(self.gen, int(report.get("gen", 0)))
             if self.detached and self.spare is None and self.config.spare:
-                self.start_spare()
+                self._new_spare()
 
     def ready(self) -> bool:
         """Every local worker has trained a step: the world formed, torchrun may retire."""
@@ -200,47 +242,83 @@ class InProcessWorkers:
         log.close()
         self.events.emit("agent.spare_started", spare_pid=self.spare.pid)
 
+    def _new_spare(self) -> None:
+        """Start a spare unless three died unassigned within a minute (something kills them: stop
+        feeding it; a worker death then falls back to a full restart, saying there is no spare)."""
+        now = time.monotonic()
+        self.spare_deaths = [t for t in self.spare_deaths if now - t < 60.0]
+        if len(self.spare_deaths) >= 3:
+            self.events.emit("agent.spare_given_up", deaths=len(self.spare_deaths), within_s=60)
+            return
+        self.start_spare()
+
+    def _check_spare(self) -> None:
+        """A spare that died while waiting is noticed now (reaped) and replaced by a new one."""
+        spare = self.spare
+        if spare is None or spare.poll() is None:
+            return
+        self.spare = None
+        self.spare_deaths.append(time.monotonic())
+        self.events.emit("agent.spare_failed", spare_pid=spare.pid, rc=spare.returncode,
+                         error=_ended(spare.returncode), assigned=False)
+        self._new_spare()
+
     # -- supervision --------------------------------------------------------------------------------
     def poll(self, on_failure) -> AttemptResult | None:
         """Reap ended workers: the attempt's result when the node is done or cannot go on, else None.
 
         ``on_failure(result) -> bool`` decides (and accounts) whether a dead worker may be replaced.
         """
+        self._check_spare()
         for local, pid in sorted(self.pids.items()):
             if local in self.finished:
                 continue
-            rc = reap(pid)
+            rc = _exit_status(pid)
             if rc is None:
                 continue
-            if rc == 0:
+            if rc == 0 and self.done.get(local) != pid:
+                # Its "done" went out before it exited, so it is queued by now if it was sent.
+                self.drain_reports()
+            if rc == 0 and self.done.get(local) == pid:
                 self.finished.add(local)
                 continue
             result = self._death(local, pid, rc, on_failure)
             if result is not None:
                 return result
         if len(self.finished) >= self.spec.nproc_per_node:
+            self._closed.set()
             self.events.emit("agent.workers_done", gen=self.gen)
             return AttemptResult(Outcome.SUCCEEDED, 0)
         return None
 
     def _death(self, local: int, pid: int, rc: int, on_failure) -> AttemptResult | None:
-        detail = f"worker local rank {local} (pid {pid}) " + (f"killed by signal {-rc}" if rc < 0 else f"exited {rc}")
+        detail = f"worker local rank {local} (pid {pid}) " + _ended(rc)
         # A config error or failing saves: a spare would fail the same way (the worker said why in its log).
         stopping = stopping_failure(rc, self._attempt.log_text() if self._attempt else "")
         kind, detail = stopping if stopping is not None else (_death_kind(rc), detail)
-        result = AttemptResult(Outcome.FAILED, rc, kind=kind, detail=detail,
+        result = AttemptResult(Outcome.FAILED, rc, kind=kind, detail=detail, gen=self.gen + 1, step=self.step,
                                attempt_dir=self._attempt.dir if self._attempt else None)
         if stopping is not None or rc in _DELIBERATE:  # the worker chose to leave: the agent's usual path decides
             return result
-        if result.kind == FailureKind.RECOVERY_FAILED or self.spare is None or not on_failure(result):
-            self.events.emit("agent.inprocess_fallback", local_rank=local, rc=rc, detail=detail,
-                             reason="recovery failed" if result.kind == FailureKind.RECOVERY_FAILED else
-                             ("no warm spare" if self.spare is None else "failure policy"))
-            return result
-        self._replace(local, detail)
-        return None
+        reason = self._no_replacement(result, on_failure)
+        if reason is None and self._replace(local, detail):
+            return None
+        self.events.emit("agent.inprocess_fallback", local_rank=local, rc=rc, detail=detail,
+                         reason=reason or "the warm spare failed")
+        return result
 
-    def _replace(self, local: int, detail: str) -> None:
+    def _no_replacement(self, result: AttemptResult, on_failure) -> str | None:
+        """Why the dead worker's slot cannot go to the spare (None: it may)."""
+        if result.kind == FailureKind.RECOVERY_FAILED:
+            return "recovery failed"
+        self._check_spare()  # a spare that died unnoticed is no spare
+        if self.spare is None:
+            return "no warm spare"
+        return None if on_failure(result) else "failure policy"
+
+    def _replace(self, local: int, detail: str) -> bool:
+        """Hand the slot to the spare; False when the spare cannot take it (the attempt falls back:
+        a replacement that failed never passes for a recovery)."""
         assert self.spare is not None and self.worker_env is not None and self._attempt is not None
         spare, self.spare = self.spare, None
         gen = self.gen + 1
@@ -251,11 +329,15 @@ class InProcessWorkers:
             spare.stdin.write((json.dumps({"slot": local, "env": env}) + "\n").encode())
             spare.stdin.flush()
         except OSError as exc:
-            self.events.emit("agent.spare_failed", error=str(exc))
-            return
+            spare.kill()
+            self.events.emit("agent.spare_failed", spare_pid=spare.pid, rc=spare.wait(), error=str(exc),
+                             assigned=True)
+            self._new_spare()
+            return False
         self.pids[local] = spare.pid
         self.on_replace()
         self.events.emit("agent.inprocess_replace", local_rank=local, spare_pid=spare.pid, gen=gen, detail=detail)
+        return True
 
     # -- lost nodes ---------------------------------------------------------------------------------------
     def _probe_later(self, gen: int) -> None:
@@ -265,33 +347,71 @@ class InProcessWorkers:
         threading.Thread(target=self._probe, args=(gen,), name=f"probe-g{gen}", daemon=True).start()
 
     def _probe(self, gen: int) -> None:
-        """Until generation ``gen`` has its plan: declare nodes whose agent cannot be reached lost."""
+        """Until generation ``gen`` has its plan (or this node's workers are done): declare nodes
+        whose agent is gone lost, and name the fault for the run at once."""
         deadline = time.monotonic() + self.config.join_timeout_s
-        while time.monotonic() < deadline:
+        strikes: dict[str, int] = {}
+        while time.monotonic() < deadline and not self._closed.is_set():
             try:
-                if self.state.store.get(self.state.keys.gen_plan(self.epoch, gen)) is not None:
-                    return
-                members = {slot.node for slot in self.gens.ranks(gen - 1)}
-                records = self.state.nodes()
+                suspects = self._suspects(gen)
+                records = self.state.nodes() if suspects else {}
             except StoreError:
-                time.sleep(0.2)
-                continue
-            for node in sorted(members - {self.spec.node_id}):
-                reason = self._unreachable(records.get(node))
+                suspects = None
+            if suspects is None:
+                return
+            for node in suspects:
+                reason = self._unreachable(node, records.get(node), strikes)
                 if reason and self.gens.mark_lost(gen, node, self.spec.node_id, reason):
-                    self.events.emit("agent.node_lost", node=node, gen=gen, reason=reason)
-            time.sleep(0.2)
+                    self._name_lost(node, gen, reason)
+            self._closed.wait(0.2)
 
-    def _unreachable(self, record: dict | None) -> str:
+    def _suspects(self, gen: int) -> list[str] | None:
+        """Nodes of the last generation that may be lost: not this one, none of whose slots joined
+        ``gen`` (a joined slot is alive), still on the roster as training (one that left cleanly
+        finished; its closed store is no loss).  None once ``gen`` has its plan."""
+        joined, plan = self.gens.progress(gen)
+        if plan is not None:
+            return None
+        members = {slot.node for slot in self.gens.ranks(gen - 1)} - {self.spec.node_id}
+        roster = self.state.members()
+        alive = {slot.node for slot in joined}
+        return sorted(n for n in members - alive if roster.get(n, {}).get("state", "joined") in ("joined", "lost"))
+
+    def _unreachable(self, node: str, record: dict | None, strikes: dict[str, int]) -> str:
+        """Why ``node``'s agent is gone, or "" while it may only be slow.  Its record gone (lease
+        expired) or its store refusing connections (the process is gone) is final; a connect that
+        times out (a loaded host, a full accept backlog) is a strike, and only three in a row make
+        a loss: one slow accept once cost a 4-node run its world size and its bitwise result."""
         store = (record or {}).get("memstate")
         if not isinstance(store, dict):
             return "its agent's record is gone (lease expired)"
         host, _, port = str(store.get("addr", "")).rpartition(":")
         try:
             with socket.create_connection((host, int(port)), timeout=self.config.probe_timeout_s):
+                strikes.pop(node, None)
                 return ""
-        except (OSError, ValueError) as exc:
-            return f"its agent does not answer at {host}:{port} ({type(exc).__name__})"
+        except (ConnectionRefusedError, ValueError) as exc:
+            return f"its agent refuses connections at {host}:{port} ({type(exc).__name__})"
+        except OSError as exc:
+            strikes[node] = strikes.get(node, 0) + 1
+            if strikes[node] < 3:
+                return ""
+            return f"its agent did not answer at {host}:{port} {strikes[node]} times ({type(exc).__name__})"
+
+    def _name_lost(self, node: str, gen: int, reason: str) -> None:
+        """The run's one record of this loss, written by the agent that declared it (the leader's
+        later look finds it and writes nothing): named even when the run ends within a lease TTL."""
+        self.events.emit("agent.node_lost", node=node, gen=gen, reason=reason)
+        step = self._fault_steps.get(gen)
+        detail = f"{node} lost in generation {gen}: {reason}"
+        try:
+            if self.state.record_fault(self.epoch, node, {"kind": "node_lost", "step": step, "detail": detail,
+                                                          "by": self.spec.node_id, "gen": gen}):
+                self.events.emit("run.fault", epoch=self.epoch, node=node, failure_kind="node_lost", step=step,
+                                 detail=detail, by=self.spec.node_id, gen=gen)
+                self.state.record_failure(node, "node_lost", self.epoch)
+        except StoreError as exc:
+            self.events.emit("agent.store_error", op="record_fault", error=str(exc)[:300])
 
     # -- stop -------------------------------------------------------------------------------------------------
     def stop(self, grace_s: float) -> list[int]:
@@ -299,9 +419,10 @@ class InProcessWorkers:
         if self.spare is not None:
             pids.append(self.spare.pid)
             self.spare = None
+        self._closed.set()
         terminate_tree(None, pids, grace_s)
         for pid in pids:
-            reap(pid)
+            reap_quietly(pid)
         return sorted(pids)
 
 

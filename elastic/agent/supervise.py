@@ -75,6 +75,7 @@ class Supervisor:
         self.monitor = HeartbeatMonitor(self.config.heartbeat, recovery_grace_s=grace if workers else 0.0)
         if workers is not None:
             workers.on_replace = self.monitor.recovering
+            workers.drain_reports = lambda: self._drain(attempt, epoch)
         self.workers, self.on_failure = workers, on_failure
         self.hangs.reset()
         self._numerics_step: int | None = None
@@ -83,17 +84,13 @@ class Supervisor:
             self.faults.attach(attempt.proc.pid if attempt.proc else None, epoch)
         next_poll = next_beat = time.monotonic()
         while True:
+            self._drain(attempt, epoch)
             result = self._exited(attempt, epoch)
             if result is not None:
                 return result
             if self.stop.is_set():
                 self.stop_attempt(attempt, stop_reason())
                 return AttemptResult(Outcome.STOPPED)
-            for report in self.inbox.drain():
-                self.metrics.observe_report(report)
-                self._on_report(report, attempt, epoch)
-                if self.faults is not None:
-                    self.faults.observe(report)
             if self.faults is not None:
                 self.faults.poll()
             now = time.monotonic()
@@ -110,6 +107,13 @@ class Supervisor:
             if result is not None:
                 return result
             self.inbox.wait(self.config.monitor_interval_s)
+
+    def _drain(self, attempt: TorchrunAttempt, epoch: int) -> None:
+        for report in self.inbox.drain():
+            self.metrics.observe_report(report)
+            self._on_report(report, attempt, epoch)
+            if self.faults is not None:
+                self.faults.observe(report)
 
     def _exited(self, attempt: TorchrunAttempt, epoch: int) -> AttemptResult | None:
         if self.workers is not None and self.workers.detached:

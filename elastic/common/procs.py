@@ -125,14 +125,27 @@ def become_subreaper() -> bool:
         return False
 
 
+class NotOurChild(LookupError):
+    """``waitpid`` says the pid is not a child of this process: its exit status is not ours to read."""
+
+
 def reap(pid: int) -> int | None:
     """The exit status of a child that ended (negative: killed by that signal, as Popen reports it),
-    None while it runs.  A pid that is not (or no longer) our child reads as ended with status 0 only
-    when /proc no longer lists it alive."""
+    None while it runs.  Raises :class:`NotOurChild` for a pid that is not (or no longer) our child:
+    only ``waitpid`` tells how a process ended, so a pid we cannot wait for never reads as a success
+    (a dead pid read as "exit 0" once made an agent declare its node finished mid-run)."""
     try:
         done, status = os.waitpid(pid, os.WNOHANG)
     except ChildProcessError:
-        return None if alive(pid) else 0
+        raise NotOurChild(pid) from None
     if done == 0:
         return None
     return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+
+
+def reap_quietly(pid: int) -> None:
+    """Collect a child's status after a kill, if it is ours (teardown: the status is not needed)."""
+    try:
+        reap(pid)
+    except NotOurChild:
+        pass

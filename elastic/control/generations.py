@@ -137,6 +137,11 @@ class Generations:
                 plan = Plan.from_record(decode(kv) or {})
         return joined, lost, plan, revision
 
+    def progress(self, gen: int) -> tuple[set[Slot], Plan | None]:
+        """The slots that joined generation ``gen`` so far, and its plan once it has one."""
+        joined, _, plan, _ = self._read(gen)
+        return joined, plan
+
     def lost(self, gen: int) -> set[str]:
         return self._read(gen)[1]
 

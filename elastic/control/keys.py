@@ -150,8 +150,10 @@ class RunKeys:
     def failures(self) -> str:
         return self._k("failures", "")
 
-    def fault(self, epoch: int, node_id: str) -> str:
-        return self._k("faults", str(epoch), node_id)
+    def fault(self, epoch: int, node_id: str, gen: int | None = None) -> str:
+        """One fault of ``node_id`` in ``epoch``; in-process recoveries stay in their epoch, so a
+        node's second worker death in it is another fault, named by the generation that replaced it."""
+        return self._k("faults", str(epoch), node_id if gen is None else f"{node_id}@g{gen}")
 
     @property
     def faults(self) -> str:

@@ -207,11 +207,12 @@ class RunState:
         return out
 
     # -- faults: one record per fault, whoever notices it first ------------------------
-    def record_fault(self, epoch: int, node_id: str, record: dict[str, Any]) -> bool:
-        """Record that ``node_id`` failed or was lost in ``epoch``; True only for the one caller that
-        created the record (create-only compare-and-swap), so one fault gives one run-level event."""
+    def record_fault(self, epoch: int, node_id: str, record: dict[str, Any], gen: int | None = None) -> bool:
+        """Record that ``node_id`` failed or was lost in ``epoch`` (in-process: generation ``gen``);
+        True only for the one caller that created the record (create-only compare-and-swap), so one
+        fault gives one run-level event."""
         body = json.dumps({"epoch": epoch, "node": node_id, "ts": self.clock(), **record}, default=str)
-        ok, _ = self.store.compare_and_swap(self.keys.fault(epoch, node_id), body, 0)
+        ok, _ = self.store.compare_and_swap(self.keys.fault(epoch, node_id, gen), body, 0)
         return ok
 
     def faults(self) -> list[dict[str, Any]]:

@@ -105,6 +105,7 @@ class InProcess:
         self.rank = -1
         self.plan: Plan | None = None
         self.phases: dict[str, float] = {}  # the last re-formation's (PhaseClock)
+        self.exact: tuple[bool, str] = (True, "")  # the last restore: bitwise the pre-fault state? (why not)
 
     @classmethod
     def from_env(cls, local_rank: int, events: EventLog) -> InProcess | None:
@@ -181,8 +182,10 @@ class InProcess:
         return self.costs.summary(pusher.push_s if pusher else [], pusher.push_cpu_s if pusher else [])
 
     # -- a fault ---------------------------------------------------------------------------
-    def reform(self, backend: str, pg_timeout: timedelta) -> Plan:
-        """Leave the failed generation and form the next one; returns its plan (process groups are up)."""
+    def reform(self, backend: str, pg_timeout: timedelta, min_nodes: int = 1) -> Plan:
+        """Leave the failed generation and form the next one; returns its plan (process groups are up).
+        A plan with fewer nodes than ``min_nodes`` (launch.nodes) raises RecoveryUnavailable on every
+        member alike: a fixed-size run never shrinks in-process, it restarts and waits for the node."""
         clock = PhaseClock()
         previous = self.gens.ranks(self.gen)
         if self.pusher is not None:
@@ -200,6 +203,10 @@ class InProcess:
                        snapshot_step=newest.step if newest else None)
         plan = self.gens.wait_plan(target, self._previous(target, previous), self.join_timeout_s)
         clock.lap("generation_s")
+        nodes = len({m.slot.node for m in plan.members})
+        if nodes < min_nodes:
+            raise RecoveryUnavailable(f"generation {plan.gen} has {nodes} nodes; the run needs at least {min_nodes} "
+                                      f"(launch.nodes): restarting from the disk checkpoint")
         self._init_group(plan, backend, pg_timeout)
         clock.lap("process_group_s")
         self.gen, self.plan, self.phases = plan.gen, plan, clock.laps
@@ -242,6 +249,7 @@ class InProcess:
         assert self.plan is not None
         old_world = sorted(self.gens.ranks(self.plan.gen - 1).values())
         step = _agree(_holdings(_all_gather(self._offers())), old_world)
+        self.exact = self._exactness(old_world)
         if self.plan.keeps_ranks(len(old_world)):
             snap, source = self._own(step)
             _fail_together(snap is None, f"rank {self.rank}: no snapshot of step {step}")
@@ -250,6 +258,17 @@ class InProcess:
             return step, extra_of(snap), source
         restore(state, self._exchange(step, old_world), self.rank, self.plan.world)
         return step, {}, "memory, resharded"
+
+    def _exactness(self, old_world: list[int]) -> tuple[bool, str]:
+        """Whether the restore is bitwise the state every rank held after one step (so the run goes
+        on exactly as without the fault), and when not, why.  Every rank restores the one step all
+        agreed on; only a changed world (ranks renumbered, shards resharded, another data-parallel
+        split of the batch) changes the trajectory."""
+        assert self.plan is not None
+        if self.plan.keeps_ranks(len(old_world)):
+            return True, ""
+        return False, (f"the world changed from {len(old_world)} to {self.plan.world} ranks in generation "
+                       f"{self.plan.gen}: state resharded, batches split anew")
 
     def _own(self, step: int) -> tuple[Snapshot | None, str]:
         snap = self.ring.get(step)

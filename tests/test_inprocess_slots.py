@@ -1,0 +1,172 @@
+"""An agent's worker slots after torchrun retired: real child processes, the real policy.
+
+A slot's process counts as ended only through ``waitpid`` on the agent's own children, and a rank
+as finished only when that very process reported the run's final step; a dead spare is noticed
+and replaced; a replacement the spare cannot take fails the attempt instead of passing for a
+recovery.  (Reproduces issue 26: a killed spare, then a killed worker, made a node declare
+SUCCEEDED at step 31 of 40 and hung the run.)  The processes are small Python children standing
+in for workers and spares; the in-memory store stands in for etcd (no etcd call is on this path).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from elastic.agent.attempt import NodeSpec, Outcome, TorchrunAttempt
+from elastic.agent.classify import FailureKind
+from elastic.agent.config import InProcessConfig
+from elastic.agent.inprocess import UNKNOWN_EXIT, InProcessWorkers
+from elastic.common.env import WorkerEnv
+from elastic.common.events import EventLog, read_events
+from elastic.common.procs import NotOurChild, reap
+from elastic.control.keys import RunKeys
+from elastic.control.memstore import MemoryStore
+from elastic.control.runstate import RunState
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _child(code: str) -> subprocess.Popen[bytes]:
+    return subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE)
+
+
+def _wait_exit(proc: subprocess.Popen[bytes]) -> None:
+    """Until the child is a zombie (ended, not yet reaped): what the agent's poll then finds."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{proc.pid}/stat") as fh:
+                if fh.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    return
+        except OSError:
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"pid {proc.pid} did not exit")
+
+
+@pytest.fixture
+def slots(tmp_path: Path):
+    spec = NodeSpec("run", "node0", "127.0.0.1:1", tmp_path, "2", 2, ["-m", "json.tool"])
+    events = EventLog(tmp_path / "agent.jsonl", "agent/node0")
+    workers = InProcessWorkers(spec, InProcessConfig(), RunState(MemoryStore(), RunKeys.of("/t", "run")), events,
+                               None, epoch=0)  # type: ignore[arg-type]  (the store is not used on this path)
+    workers._attempt = TorchrunAttempt(spec, 1, tmp_path, "", WorkerEnv(), ("2", "run"), 1.0)
+    workers.worker_env = WorkerEnv()
+    workers.detached = True
+    started: list[subprocess.Popen[bytes]] = []
+    workers.start_spare = lambda: started.append(_spare(workers))  # a cheap spare (no torch import)
+    children: list[subprocess.Popen[bytes]] = []
+    yield workers, children, started, lambda: read_events([tmp_path / "agent.jsonl"])
+    for proc in [*children, *started]:
+        proc.kill()
+        proc.wait()
+    events.close()
+
+
+def _spare(workers: InProcessWorkers) -> subprocess.Popen[bytes]:
+    workers.spare = _child("import sys, time; sys.stdin.readline(); time.sleep(30)")
+    return workers.spare
+
+
+def _hold(workers: InProcessWorkers, children: list, local: int, code: str) -> subprocess.Popen[bytes]:
+    proc = _child(code)
+    children.append(proc)
+    workers.pids[local] = proc.pid
+    return proc
+
+
+def test_reap_reads_only_our_own_children():
+    with pytest.raises(NotOurChild):
+        reap(1)  # init: alive, not ours
+    proc = _child("raise SystemExit(3)")
+    _wait_exit(proc)
+    assert reap(proc.pid) == 3
+    with pytest.raises(NotOurChild):
+        reap(proc.pid)  # reaped once: its status is gone, never read again as a success
+
+
+def test_an_exit_0_without_the_final_step_reported_is_a_failure(slots):
+    workers, children, _, _ = slots
+    _hold(workers, children, 0, "import time; time.sleep(30)")
+    quitter = _hold(workers, children, 1, "pass")
+    _wait_exit(quitter)
+    result = workers.poll(lambda result: False)  # no replacement allowed: the failure ends the attempt
+    assert result is not None and result.outcome == Outcome.FAILED
+    assert "before reporting the run's final step" in result.detail and result.kind == FailureKind.WORKER_ERROR
+
+
+def test_a_rank_is_done_only_when_its_own_process_reported_the_final_step(slots):
+    workers, children, _, _ = slots
+    first = _hold(workers, children, 0, "pass")
+    second = _hold(workers, children, 1, "pass")
+    workers.drain_reports = lambda: workers.observe({"type": "done", "local_rank": 1, "pid": second.pid, "step": 40})
+    workers.observe({"type": "done", "local_rank": 0, "pid": first.pid, "step": 40})
+    workers.observe({"type": "done", "local_rank": 1, "pid": 12345, "step": 40})  # another process: not the slot's
+    _wait_exit(first)
+    _wait_exit(second)
+    result = workers.poll(lambda result: False)  # rank 1's "done" is read only when its exit is found
+    assert result is not None and result.outcome == Outcome.SUCCEEDED
+
+
+def test_a_slot_whose_process_is_not_ours_ended_with_an_unknown_status(slots):
+    workers, _, _, _ = slots
+    workers.pids = {0: 1, 1: 1}  # e.g. a worker torchrun reaped before it retired
+    result = workers.poll(lambda result: False)
+    assert result is not None and result.outcome == Outcome.FAILED and result.rc == UNKNOWN_EXIT
+
+
+def test_a_dead_worker_late_reports_do_not_repoint_its_slot(slots):
+    workers, children, _, _ = slots
+    live = _hold(workers, children, 0, "import time; time.sleep(30)")
+    workers.observe({"type": "step", "local_rank": 0, "pid": live.pid + 100000, "step": 31, "gen": 0})
+    assert workers.pids[0] == live.pid
+
+
+def test_a_spare_killed_then_the_worker_the_new_spare_takes_the_slot(slots):
+    workers, children, started, events = slots
+    workers.start_spare()
+    _hold(workers, children, 1, "import time; time.sleep(30)")
+    first_spare = started[0]
+    first_spare.kill()
+    _wait_exit(first_spare)
+    victim = _hold(workers, children, 0, "import os, signal; os.kill(os.getpid(), signal.SIGKILL)")
+    _wait_exit(victim)
+    assert workers.poll(lambda result: True) is None  # replaced: the attempt goes on
+    kinds = [e["kind"] for e in events()]
+    assert kinds.count("agent.spare_failed") == 1 and "agent.inprocess_replace" in kinds
+    assert len(started) == 2 and workers.pids[0] == started[1].pid
+
+
+def test_a_spare_that_cannot_take_the_slot_fails_the_attempt(slots):
+    workers, children, started, events = slots
+    deaf = _child("import os, time; os.close(0); time.sleep(30)")  # alive, but reads no assignment
+    started.append(deaf)
+    workers.spare = deaf
+    time.sleep(0.5)  # its stdin is closed by then
+    _hold(workers, children, 1, "import time; time.sleep(30)")
+    victim = _hold(workers, children, 0, "import os, signal; os.kill(os.getpid(), signal.SIGKILL)")
+    _wait_exit(victim)
+    result = workers.poll(lambda result: True)
+    assert result is not None and result.outcome == Outcome.FAILED and result.rc == -9
+    seen = {e["kind"]: e for e in events()}
+    assert seen["agent.spare_failed"]["assigned"] is True
+    assert seen["agent.inprocess_fallback"]["reason"] == "the warm spare failed"
+    assert workers.pids[0] == victim.pid  # the slot never went to the deaf spare
+
+
+def test_spares_that_keep_dying_are_given_up(slots):
+    workers, _, started, events = slots
+    workers.start_spare()
+    for _ in range(3):
+        spare = workers.spare
+        assert spare is not None
+        spare.kill()
+        _wait_exit(spare)
+        workers._check_spare()
+    assert workers.spare is None and len(started) == 3  # the first and two replacements
+    assert any(e["kind"] == "agent.spare_given_up" for e in events())
