@@ -170,3 +170,25 @@ def test_spares_that_keep_dying_are_given_up(slots):
         workers._check_spare()
     assert workers.spare is None and len(started) == 3  # the first and two replacements
     assert any(e["kind"] == "agent.spare_given_up" for e in events())
+
+
+def test_torchrun_without_workers_is_still_in_its_rendezvous(tmp_path):
+    """The agent's warm-up clock (init_timeout_s) starts only once torchrun has spawned workers: a
+    fixed-size run waiting for a lost node ends as a rendezvous timeout, never as a healthy node's
+    counted init_timeout."""
+    spec = NodeSpec("run", "node0", "127.0.0.1:1", tmp_path, "2", 1, ["-m", "json.tool"])
+    attempt = TorchrunAttempt(spec, 1, tmp_path, "", WorkerEnv(), ("2", "run"), 1.0)
+    assert not attempt.in_rendezvous()  # not started
+    procs = [subprocess.Popen(["sleep", "30"]), subprocess.Popen(["sh", "-c", "sleep 30 & wait"])]
+    try:
+        attempt.proc = procs[0]
+        assert attempt.in_rendezvous()
+        attempt.proc = procs[1]
+        deadline = time.monotonic() + 10
+        while attempt.in_rendezvous() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not attempt.in_rendezvous()  # a worker exists: the rendezvous completed
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()

@@ -25,7 +25,7 @@ from typing import Any
 
 from elastic.agent.classify import FailureKind
 from elastic.common.env import WorkerEnv
-from elastic.common.procs import child_preexec, descendants, terminate_tree
+from elastic.common.procs import child_preexec, children, descendants, terminate_tree
 from elastic.control.keys import BACKEND_NAME
 
 
@@ -174,6 +174,10 @@ class TorchrunAttempt:
     @property
     def running(self) -> bool:
         return self.proc is not None
+
+    def in_rendezvous(self) -> bool:
+        """torchrun runs but has no worker yet: its rendezvous has not completed."""
+        return self.proc is not None and self.proc.poll() is None and not children(self.proc.pid)
 
     def runtime_s(self) -> float:
         return time.monotonic() - self.started

@@ -191,6 +191,12 @@ class Supervisor:
         return AttemptResult(Outcome.SCREEN_FAILED, detail=self.screened.reason)
 
     def _silence(self, attempt: TorchrunAttempt, epoch: int) -> AttemptResult | None:
+        if self.monitor.first_step_at is None and attempt.in_rendezvous():
+            # The warm-up clock starts when the rendezvous completes.  Waiting for nodes (a
+            # fixed-size run short of one) ends as torchrun's rendezvous timeout, which names what
+            # the run is missing and counts against no one, never as this node's init_timeout.
+            self.monitor.started = self.monitor.clock()
+            return None
         verdict, detail = self.monitor.check()
         if verdict == Silence.NONE or self._numerics_step is not None:
             return None
