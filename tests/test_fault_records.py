@@ -223,3 +223,27 @@ def test_worker_exit_codes_that_stop_the_run_carry_the_workers_line(tmp_path: Pa
                                          "in a row\n  exitcode  : 88\n")
     assert kind == FailureKind.CHECKPOINT and detail == "checkpoint.on_save_failure=stop: 3 checkpoint saves failed in a row"
     assert FailurePolicy().action(kind.value) == "stop"
+
+
+def test_two_in_process_worker_deaths_of_one_node_in_one_epoch_are_two_faults(state):
+    """In-process recoveries stay in their epoch: each dead worker is its own fault, named by the
+    generation that replaced it, so the summary's faults match the counted failures one for one."""
+    events = Recorder("agent/node1")
+    handler = FailureHandler(FailurePolicy(), "node1", state, events)
+    for gen in (1, 2):
+        result = AttemptResult(Outcome.FAILED, -9, kind=FailureKind.WORKER_SIGNAL, detail="killed", gen=gen, step=5)
+        assert handler.decide(result, epoch=0).counted
+    faults = events.kinds("run.fault")
+    assert [f["gen"] for f in faults] == [1, 2] and handler.failures == 2
+    assert len(state.faults()) == 2
+
+
+def test_a_node_lost_in_process_is_named_once_whoever_sees_it(state):
+    """The agent that declared the loss wrote the run's record: the leader's later look writes none."""
+    _register(state, "node0")
+    state.set_member("node2", "joined")
+    assert state.record_fault(0, "node2", {"kind": "node_lost", "step": 14, "detail": "refused", "by": "node0"})
+    leader_events = Recorder("agent/node0")
+    reported = LostNodes(state, "node0", leader_events).evaluate(state.nodes(), state.heartbeats())
+    assert reported == [] and leader_events.kinds("run.fault") == []
+    assert state.members()["node2"]["state"] == "lost"
