@@ -24,6 +24,7 @@ from elastic.agent.inprocess import UNKNOWN_EXIT, InProcessWorkers
 from elastic.common.env import WorkerEnv
 from elastic.common.events import EventLog, read_events
 from elastic.common.procs import NotOurChild, reap
+from elastic.control.generations import Slot
 from elastic.control.keys import RunKeys
 from elastic.control.memstore import MemoryStore
 from elastic.control.runstate import RunState
@@ -192,3 +193,32 @@ def test_torchrun_without_workers_is_still_in_its_rendezvous(tmp_path):
         for proc in procs:
             proc.kill()
             proc.wait()
+
+
+def test_probes_suspect_only_nodes_still_training_that_did_not_join(slots):
+    """A node whose slot joined the generation is alive; one that left the roster cleanly finished
+    (its closed store is no loss); the rest are probed."""
+    workers, _, _, _ = slots
+    gens, state = workers.gens, workers.state
+    for rank, node in enumerate(["node0", "node1", "node2", "node3"]):
+        gens.register(Slot(node, 0), rank)
+        state.set_member(node, "joined")
+    state.set_member("node3", "SUCCEEDED")
+    gens.join(1, Slot("node1", 0))
+    assert workers._suspects(1) == ["node2"]
+
+
+def test_a_loss_needs_a_refusal_a_gone_record_or_three_timeouts(slots):
+    import socket
+
+    workers, _, _, _ = slots
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]  # bound, not listening: connections are refused
+        strikes: dict[str, int] = {}
+        assert "refuses" in workers._unreachable("node2", {"memstate": {"addr": f"127.0.0.1:{port}"}}, strikes)
+    assert "record is gone" in workers._unreachable("node2", None, {})
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(1)
+        assert workers._unreachable("node2", {"memstate": {"addr": "127.0.0.1:%d" % server.getsockname()[1]}}, {}) == ""
