@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from elastic.common.exits import EXIT_EXCLUDED
+from elastic.common.exits import EXIT_EXCLUDED, EXIT_FAILURE, RUN_STOP_CODES
 from elastic.control.etcd_cluster import EtcdCluster
 from elastic.common.events import EventLog
 from elastic.control.keys import RunKeys
@@ -137,7 +137,7 @@ class Launcher:
         summary["loss_png"] = self._loss_plot()
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         (self.run_dir / "goodput.json").write_text(json.dumps(summary["goodput"], indent=1))
-        code = self._exit_code()
+        code = self._exit_code(summary)
         # A run whose newest steps are in no committed checkpoint is not a clean success.
         return LaunchResult(EXIT_UNSAVED if code == 0 and summary["unsaved_steps"] else code, summary)
 
@@ -250,7 +250,7 @@ class Launcher:
             self.etcd.close()
             self.events.emit("launcher.etcd_stopped")
 
-    def _exit_code(self) -> int:
+    def _exit_code(self, summary: dict) -> int:
         if self._stop_signal is not None:
             return 128 + self._stop_signal
         codes = [a.rc for a in self.agents]
@@ -259,4 +259,12 @@ class Launcher:
         if any(c == 0 for c in codes) and all(c in (0, EXIT_EXCLUDED) or (c or 0) < 0 for c in codes):
             return 0
         nonzero = [c for c in codes if c not in (0, None)]
-        return nonzero[0] if nonzero else 1
+        code = nonzero[0] if nonzero else EXIT_FAILURE
+        # Every node leaves a stopped run with EXIT_FAILURE; what stopped it may say more (failing saves: 88).
+        return (_stop_code(summary) or code) if code == EXIT_FAILURE else code
+
+
+def _stop_code(summary: dict) -> int | None:
+    """The code of the failure that stopped the run (the first stop decision), when it has its own."""
+    stops = [f for f in summary.get("failures", []) if f.get("action") == "stop"]
+    return RUN_STOP_CODES.get(stops[0].get("failure_kind")) if stops else None

@@ -17,10 +17,8 @@ from elastic.agent.attempt import NodeSpec
 from elastic.agent.records import NodeRecords
 from elastic.agent.scopes import RestartScope
 from elastic.common.events import EventLog
-from elastic.common.exits import EXIT_EXCLUDED
+from elastic.common.exits import EXIT_EXCLUDED, EXIT_FAILURE, RUN_STOP_CODES
 from elastic.control.runstate import RunState
-
-EXIT_FAILURE = 1
 
 
 class Leaving:
@@ -36,18 +34,20 @@ class Leaving:
     def say(self, message: str) -> None:
         print(f"elastic-agent: node {self.spec.node_id} {message}", file=sys.stderr, flush=True)
 
-    def give_up(self, reason: str, **fields) -> int:
-        """Leave alone (the run may go on without this node)."""
+    def give_up(self, reason: str, code: int = EXIT_FAILURE, **fields) -> int:
+        """Leave alone (the run may go on without this node); ``code``: the stopped run's own."""
         self.set_state("GAVE_UP", reason=reason, **fields)
         self.say(f"gave up: {reason}")
-        return EXIT_FAILURE
+        return code
 
-    def stop_run(self, reason: str) -> int:
-        """Stop the whole run: every agent sees the stop key and leaves."""
-        self.records.quietly("stop", lambda: self.state.request_stop(reason, self.spec.node_id))
+    def stop_run(self, reason: str, kind: str = "") -> int:
+        """Stop the whole run: every agent sees the stop key and leaves, with the code of ``kind``
+        (a failure class) when it has one (failing saves: 88), else EXIT_FAILURE."""
+        code = RUN_STOP_CODES.get(kind, EXIT_FAILURE)
+        self.records.quietly("stop", lambda: self.state.request_stop(reason, self.spec.node_id, code))
         self.set_state("GAVE_UP", reason=reason)
         self.say(f"stops the run: {reason}")
-        return EXIT_FAILURE
+        return code
 
     def excluded(self, reason: str | None, until: float | None) -> int:
         self.set_state("EXCLUDED", reason=reason, until=until)

@@ -45,7 +45,7 @@ from elastic.agent.screener import Screener
 from elastic.agent.supervise import Supervisor
 from elastic.checkpoint.config import MemoryCacheConfig
 from elastic.common.env import WorkerEnv
-from elastic.common.exits import EXIT_EXCLUDED
+from elastic.common.exits import EXIT_EXCLUDED, EXIT_FAILURE
 from elastic.common.procs import become_subreaper
 from elastic.common.events import EventLog
 from elastic.control.admission import Admission, Refused
@@ -263,7 +263,8 @@ class NodeAgent:
             return EXIT_SUCCESS
         if result.outcome == Outcome.RUN_STOPPED:
             record = self.records.quietly("stop_record", self.state.stop_record) or {}
-            return self.leave.give_up(f"run stopped by {record.get('by')}: {record.get('reason')}")
+            return self.leave.give_up(f"run stopped by {record.get('by')}: {record.get('reason')}",
+                                      code=int(record.get("code") or EXIT_FAILURE))
         if result.outcome == Outcome.SCREEN_FAILED:
             return self.leave.exclude_self(result.detail, self.config.preflight.exclusion_ttl_s, by="preflight",
                                            epoch=epoch)
@@ -293,7 +294,7 @@ class NodeAgent:
         self._set_state(AgentState.FAILED, rc=result.rc, failure_kind=decision.kind.value, detail=decision.detail,
                         failures=self.failures.failures, epoch=epoch, action=decision.action, counted=decision.counted)
         if decision.action == "stop":
-            return self.leave.stop_run(decision.reason)
+            return self.leave.stop_run(decision.reason, decision.kind.value)
         if decision.action == "exclude":
             return self.leave.exclude_self(decision.reason, self.config.failure.exclusion_ttl_s, by="policy",
                                            epoch=epoch)

@@ -50,9 +50,11 @@ class CheckpointConfig:
     max_consecutive_failures: int = 3
     """Saves that may fail in a row (no commit in between) before ``on_save_failure`` applies; 0 never."""
     on_save_failure: Literal["stop", "warn"] = "stop"
-    """stop: the trainers stop (exit 88) and the agents stop the run with the reason, keeping the
-    last committed checkpoint; warn: a ``checkpoint.failing`` event and a warning line, training
-    goes on.  Either way the launcher's summary lists the failed saves and the unsaved steps."""
+    """stop: within a step of the save that ends the streak failing (not at the next save), the
+    trainers stop (exit 88), the agents stop the run with the reason, keeping the last committed
+    checkpoint, and ``elastic-launch`` exits 88; warn: a ``checkpoint.failing`` event and a warning
+    line at the next save, training goes on.  Either way the launcher's summary lists the failed
+    saves and the unsaved steps."""
 
     def __post_init__(self) -> None:
         if self.interval_steps < 0:

@@ -59,6 +59,11 @@ previous checkpoint stays the newest valid one and the temporary directory is
 removed by rank 0.  Failed saves in a row are counted by rank 0 (the committer)
 and agreed by every rank at the start of each save (they travel with the save's
 token); :meth:`failing` applies ``max_consecutive_failures`` / ``on_save_failure``.
+An async save's failure is known to rank 0 when its finalize thread records it,
+mid-step: :meth:`streak_reached` says so without a collective (the worker session
+carries it to every rank on a collective each step already has) and
+:meth:`agree_failing` then gives every rank rank 0's streak, so all of them stop
+at the same step, not at the next save.
 
 Per-rank ``extra`` state (RNG...) is restored to the rank with the same index.
 When a checkpoint saved by N ranks is loaded by M > N ranks, ranks N..M-1 get
@@ -284,6 +289,25 @@ class CheckpointManager(CommittedCheckpoints):
             log.warning("%s; training goes on (checkpoint.on_save_failure=warn)", line)
             self.events.emit("checkpoint.failing", failed_steps=[s for s, _ in failed], reason=line)
         return None
+
+    @property
+    def stops_on_failures(self) -> bool:
+        """Whether failed saves in a row can stop training (``on_save_failure: stop`` with a limit)."""
+        return self.config.on_save_failure == "stop" and self.config.max_consecutive_failures > 0
+
+    def streak_reached(self) -> bool:
+        """Rank 0, no collective, any time: its streak of failed saves reached the limit and the policy
+        says stop.  False on the other ranks: only the committer's streak ends at a commit."""
+        limit = self.config.max_consecutive_failures
+        return self._rank == 0 and self.stops_on_failures and len(self._streak) >= limit
+
+    def agree_failing(self) -> str | None:
+        """Collective, after a rank learned that :meth:`streak_reached`: every rank takes rank 0's streak
+        (once the save in flight has finished) and :meth:`failing` judges it."""
+        self.wait()
+        self.failed_in_a_row = collectives.broadcast_object(list(self._streak) if self._rank == 0 else None,
+                                                            self.group)
+        return self.failing()
 
     def wait(self) -> None:
         """Block until the in-flight save (if any) is committed or has failed.

@@ -162,8 +162,10 @@ class RunState:
     def stop_record(self) -> dict[str, Any] | None:
         return self._record(self.keys.stop)
 
-    def request_stop(self, reason: str, by: str) -> None:
-        self._put(self.keys.stop, {"reason": reason, "by": by, "ts": self.clock()})
+    def request_stop(self, reason: str, by: str, code: int = 1) -> None:
+        """Stop the run; ``code`` is what every agent (and launcher) exits with for it (1 unless the
+        cause has a code of its own: failing saves, 88), on every host, not only the stopper's."""
+        self._put(self.keys.stop, {"reason": reason, "by": by, "code": code, "ts": self.clock()})
 
     def done_record(self) -> dict[str, Any] | None:
         return self._record(self.keys.done)

@@ -281,10 +281,28 @@ class WorkerSession:
         self._sync_points = True
         if self.inproc is not None:
             self.inproc.captured()
+        watch = self._watches_saves()
+        if watch:
+            self._sync.fill_(1.0 if self.ckpt.streak_reached() else 0.0)
         t_sync = time.monotonic()
         with self.probe.collective("sync", self._step):
             dist.all_reduce(check_device(self._sync))
         self._wait = time.monotonic() - t_sync
+        if watch and self._sync.item() > 0:
+            line = self.ckpt.agree_failing()
+            if line is not None:
+                raise SavesFailing(line)
+
+    def _watches_saves(self) -> bool:
+        """Whether this step's sync carries rank 0's "saves keep failing" flag to every rank.
+
+        An async save fails on rank 0's finalize thread, mid-step, and every rank must stop at the
+        same step: the flag rides on the sync point's all-reduce, the one collective every step has
+        already, rather than waiting for the next save's broadcast (a run then trained every step
+        up to it).  Reading it back costs one scalar: free on gloo (the collective is synchronous);
+        on a GPU a wait for the all-reduce, which the sync point exists to wait for.  Replica
+        groups save from one group only and keep the check at the save (:meth:`maybe_save`)."""
+        return self.ckpt is not None and not self.group and self.ckpt.stops_on_failures
 
     def waited(self, seconds: float) -> None:
         """More of this step spent waiting on peers outside :meth:`sync_point` (a torchft quorum)."""
@@ -317,7 +335,9 @@ class WorkerSession:
         """Save on the checkpoint interval and at the last step (commits in the background)."""
         if self.ckpt is not None and (self.ckpt.should_save(step) or step == last):
             self.ckpt.save(step, state, extra=extra)
-            failing = self.ckpt.failing()  # agreed by every rank in save(): all of them stop together
+            # Agreed by every rank in save(): all of them stop together.  A failure known by then
+            # (a synchronous save's, or one older than the sync point's flag) stops here.
+            failing = self.ckpt.failing()
             if failing is not None:
                 raise SavesFailing(failing)
 
@@ -381,7 +401,7 @@ class WorkerSession:
             if self.ckpt is not None:
                 self.ckpt.close()  # the save in flight fails with the lost peer; committed ones stay
                 self.ckpt = None
-            plan = self.inproc.reform(_backend(self.device), pg_timeout())
+            plan = self.inproc.reform(_backend(self.device), pg_timeout(), self.cfg.launch.min_nodes)
             self.rank, self.world, self.hooks.rank = self.inproc.rank, plan.world, self.inproc.rank
             self.agent.rank, self.agent.world_size = self.rank, self.world
             self._sync = torch.zeros(1, device=self.device)
@@ -402,9 +422,11 @@ class WorkerSession:
         fields = run.resumed(step, extra or None)
         if start_event:
             self.emit_start(step, resumed=True, loaded_from=source, gen=self.inproc.gen, **fields)
+        bitwise, why = self.inproc.exact
         self.events.emit("trainer.recovered", path="inprocess", gen=self.inproc.gen, step=step, rank=self.rank,
                          world_size=self.world, loaded_from=source, recover_s=round(time.monotonic() - t0, 3),
-                         phases=dict(self.inproc.phases))
+                         phases=dict(self.inproc.phases), bitwise=bitwise,
+                         **({"trajectory_changed": why} if not bitwise else {}))
         self.agent.report_recovered(step, self.inproc.gen, self.world, source)
         return step
 
