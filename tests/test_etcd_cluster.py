@@ -61,6 +61,27 @@ def test_store_and_watch_survive_the_leader(cluster):
     assert store.get("/k").value == b"20"
 
 
+def test_a_lease_outlives_a_stalled_member_as_long_as_its_ttl(cluster):
+    """The member an agent talks to (the leader) is SIGSTOPped for longer than the lease's TTL: its
+    keepalives fail over to another member in time (short attempts), so the node is never declared
+    lost for etcd's sake.  With the store's 5 s attempts, leases of 10 s expired in such a stop."""
+    from elastic.control.lease import LeaseKeeper
+
+    leader, endpoints = leader_first(cluster)
+    store = EtcdStore(endpoints)  # the agent's settings: 5 s per request
+    keeper = LeaseKeeper(store, 4)
+    store.put("/node", "alive", lease=keeper.lease_id)
+    pid = cluster.pids[leader]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        time.sleep(6.0)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert not keeper.lost.is_set()
+    assert store.get("/node").value == b"alive"
+    keeper.close()
+
+
 def test_rendezvous_survives_the_leader(cluster, monkeypatch):
     monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     leader, endpoints = leader_first(cluster)

@@ -32,9 +32,15 @@ class LeaseKeeper:
 
     def _run(self) -> None:
         interval = max(self.ttl / 3.0, 0.2)
+        # Each keepalive attempt gives up after a fifth of the TTL, so a stalled member (SIGSTOPped,
+        # a full disk, a GC pause) costs one short attempt before the store fails over to the next
+        # member.  With the store's 5 s request timeout, a refresh sent 3.3 s into a 10 s lease
+        # reached another member only 8-9 s in: three agents of a 4-node run lost their leases
+        # during a 10 s stop of one member of three, and the leader declared them lost.
+        per_try = max(self.ttl / 5.0, 0.5)
         while not self._stop.wait(interval):
             try:
-                self.store.refresh_lease(self.lease_id)
+                self.store.refresh_lease(self.lease_id, timeout=per_try)
             except LeaseExpired:
                 self.lost.set()
                 if self._on_lost:

@@ -162,7 +162,7 @@ class MemoryStore:
             self._leases[self._next_lease] = _Lease(ttl, self.clock() + ttl)
             return self._next_lease
 
-    def refresh_lease(self, lease_id: int) -> int:
+    def refresh_lease(self, lease_id: int, timeout: float | None = None) -> int:
         with self._cond:
             self._expire()
             lease = self._leases.get(lease_id)

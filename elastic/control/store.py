@@ -84,7 +84,7 @@ class KVStore(Protocol):
         self, key: str, value: bytes | str, expected_mod_revision: int, lease: int | None = None
     ) -> tuple[bool, KeyValue | None]: ...
     def grant_lease(self, ttl: int) -> int: ...
-    def refresh_lease(self, lease_id: int) -> int: ...
+    def refresh_lease(self, lease_id: int, timeout: float | None = None) -> int: ...
     def revoke_lease(self, lease_id: int) -> None: ...
     def watch_once(self, key: str, start_revision: int, timeout: float, prefix: bool = False) -> WatchEvent | None: ...
     def revision(self) -> int: ...
@@ -183,18 +183,19 @@ class EtcdStore:
         client = self._client(index)
         return client.session, client.base_url + "/v3"
 
-    def _client(self, index: int | None = None) -> Etcd3Client:
+    def _client(self, index: int | None = None, timeout: float | None = None) -> Etcd3Client:
         index = self._current if index is None else index
+        timeout = self.request_timeout if timeout is None else timeout
         clients = self._local.__dict__.setdefault("clients", {})
-        client = clients.get(index)
+        client = clients.get((index, timeout))
         if client is None:
             host, port = self.endpoints[index]
             # api_path given explicitly so construction never makes a network call.
             client = Etcd3Client(
-                host=host, port=port, protocol=self.security.scheme, timeout=self.request_timeout,
+                host=host, port=port, protocol=self.security.scheme, timeout=timeout,
                 api_path="/v3/", session=self.security.session(f"{self.security.scheme}://{host}:{port}"),
             )
-            clients[index] = client
+            clients[(index, timeout)] = client
         if self.security.username:
             client.session.headers["Authorization"] = self._auth_token(client)
         return client
@@ -238,7 +239,8 @@ class EtcdStore:
             return StoreAuthError(f"etcd at {self.endpoint}: user {self.security.username!r} may not {what}")
         return None
 
-    def _call(self, what: str, fn: Callable[[Etcd3Client], T], deadline: float | None = None) -> T:
+    def _call(self, what: str, fn: Callable[[Etcd3Client], T], deadline: float | None = None,
+              timeout: float | None = None) -> T:
         deadline = self.retry_deadline if deadline is None else deadline
         retrying = tenacity.Retrying(
             retry=tenacity.retry_if_exception_type((*_CONNECTION_ERRORS, _Transient)),
@@ -252,7 +254,7 @@ class EtcdStore:
         def attempt() -> T:
             index = self._current
             try:
-                return self._attempt(fn, index)
+                return self._attempt(fn, index, timeout)
             except (*_CONNECTION_ERRORS, _Transient):
                 self.failover(index)
                 raise
@@ -272,8 +274,8 @@ class EtcdStore:
                 raise LeaseExpired(f"{what}: {text}") from exc
             raise StoreError(f"etcd error during {what}: {text}") from exc
 
-    def _attempt(self, fn: Callable[[Etcd3Client], T], index: int) -> T:
-        client = self._client(index)
+    def _attempt(self, fn: Callable[[Etcd3Client], T], index: int, timeout: float | None = None) -> T:
+        client = self._client(index, timeout)
         try:
             return fn(client)
         except gw_exc.Etcd3Exception as exc:
@@ -285,7 +287,7 @@ class EtcdStore:
             if not (self.security.username and "invalid auth token" in text):
                 raise
         self._drop_token()  # expired or the server restarted: authenticate again, once
-        return fn(self._client(index))
+        return fn(self._client(index, timeout))
 
     def _unreachable(self, what: str, exc: Exception) -> str:
         text = etcd_error_text(exc) or type(exc).__name__
@@ -316,9 +318,10 @@ class EtcdStore:
         """From now on every operation is tried once: used when the caller is shutting down."""
         self._shutting_down.set()
 
-    def _post(self, path: str, body: dict[str, Any], what: str, deadline: float | None = None) -> dict[str, Any]:
+    def _post(self, path: str, body: dict[str, Any], what: str, deadline: float | None = None,
+              timeout: float | None = None) -> dict[str, Any]:
         self.requests_sent += 1  # approximate under threads (no lock): for rate reports only
-        return self._call(what, lambda c: c.post(c.get_url(path), json=body), deadline)
+        return self._call(what, lambda c: c.post(c.get_url(path), json=body), deadline, timeout)
 
     # -- KV ----------------------------------------------------------------
     def get(self, key: str) -> KeyValue | None:
@@ -397,8 +400,10 @@ class EtcdStore:
         resp = self._post("/lease/grant", {"TTL": int(ttl), "ID": 0}, "lease grant")
         return int(resp["ID"])
 
-    def refresh_lease(self, lease_id: int) -> int:
-        resp = self._post("/lease/keepalive", {"ID": lease_id}, "lease keepalive")
+    def refresh_lease(self, lease_id: int, timeout: float | None = None) -> int:
+        """``timeout`` per attempt (default: request_timeout): a keepalive must fail over from a
+        stalled member well within the lease's TTL (see :class:`~elastic.control.lease.LeaseKeeper`)."""
+        resp = self._post("/lease/keepalive", {"ID": lease_id}, "lease keepalive", timeout=timeout)
         ttl = int(resp.get("result", {}).get("TTL", 0))
         if ttl <= 0:
             raise LeaseExpired(f"lease {lease_id:x} expired")
