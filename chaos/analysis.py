@@ -11,9 +11,13 @@ Per fault (one ``chaos.inject`` event):
 * ``steps_lost``: the newest step any rank reported before the fault minus
   the step the next worker resumed from (0 if no worker restarted);
 * ``detection_s``: fault -> first detection event (an agent FAILED state,
-  ``agent.hang_detected``, ``agent.rollback``, ``checkpoint.save_failed``);
+  ``agent.hang_detected``, ``agent.rollback``, ``checkpoint.save_failed``,
+  ``agent.spare_failed`` for a dead spare);
 * ``recovery_s``: fault -> first ``trainer.step`` of a worker started after
-  the fault (None where the fault needs no restart);
+  the fault (None where the fault needs no restart).  A fault that does not
+  restart workers by itself (a straggler, a spare kill, an etcd fault) owns
+  only the detections and restarts before the next fault: a later kill's
+  restart is the kill's, not theirs;
 
 and per run ``goodput``: the step time of the steps that count (the last
 execution of each step by rank 0) over the launch's wall time.
@@ -29,11 +33,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from chaos.injectors import checkpoint_root
+from chaos.injectors import REGISTRY, checkpoint_root
 from elastic.common.events import read_run_events
 from elastic.common.procs import alive
 
-DETECTION_KINDS = ("agent.hang_detected", "agent.rollback", "checkpoint.save_failed", "leader.node_lost")
+DETECTION_KINDS = ("agent.hang_detected", "agent.rollback", "checkpoint.save_failed", "leader.node_lost",
+                   "agent.spare_failed")
 
 
 @dataclass
@@ -118,7 +123,9 @@ def _after(events: list[dict], ts: float, kind: str | tuple[str, ...]) -> list[d
 FILE_FAULTS = ("nan", "straggler", "ckpt_write_error")
 
 
-def fault_metrics(events: list[dict], inject: dict) -> dict[str, Any]:
+def fault_metrics(events: list[dict], inject: dict, prev_ts: float | None = None,
+                  next_ts: float | None = None) -> dict[str, Any]:
+    """One fault's metrics; ``prev_ts`` / ``next_ts``: when the faults injected before and after it were."""
     ts = _effective_ts(events, inject)
     if ts is None:
         # A planted fault the runtime never acted on: there is nothing to measure (and the
@@ -130,7 +137,10 @@ def fault_metrics(events: list[dict], inject: dict) -> dict[str, Any]:
     steps = [e for e in events if e.get("kind") == "trainer.step"]
     before = max((e["step"] for e in steps if e["ts"] <= ts), default=0)
     starts = _after(events, ts, "trainer.start")
-    detections = [e for e in events if e.get("ts", 0) > ts and (
+    kind = REGISTRY.get(inject["fault"])
+    until = next_ts if next_ts is not None and kind is not None and not kind.restarts_workers else math.inf
+    starts = [e for e in starts if e["ts"] <= until]
+    detections = [e for e in events if ts < e.get("ts", 0) <= until and (
         e.get("kind") in DETECTION_KINDS or (e.get("kind") == "agent.state" and e.get("state") == "FAILED"))]
     out: dict[str, Any] = {
         "fault": inject["fault"], "target": inject["target"], "pids": inject.get("pids", []),
@@ -140,6 +150,11 @@ def fault_metrics(events: list[dict], inject: dict) -> dict[str, Any]:
         "detected_by": detections[0]["kind"] + (f"/{detections[0].get('state')}" if detections[0].get("state") else "")
         if detections else None,
     }
+    if inject["fault"] == "kill_during_recovery" and prev_ts is not None:
+        # It hit a recovery when no worker started after the fault before it had trained a step yet
+        # (the survivors' last steps before that fault may be reported after it: they do not count).
+        joined = {e["pid"] for e in events if e.get("kind") == "trainer.start" and prev_ts < e["ts"] <= ts}
+        out["during_recovery"] = not any(prev_ts < e["ts"] <= ts and e["pid"] in joined for e in steps)
     if starts:
         first = starts[0]
         out["resume_step"] = first.get("step")
@@ -268,7 +283,13 @@ def check_run(run_dir: Path, expect: Expectation, baseline_checksum: str | None,
     inv.append(Invariant("no_orphans", not survivors,
                          f"{len(pids)} processes seen, all gone" if not survivors else f"alive: {sorted(survivors)}"))
 
-    metrics = [fault_metrics(events, e) for e in injects]
+    times = sorted(e.get("injected_ts", e["ts"]) for e in injects)
+
+    def neighbours(e: dict) -> tuple[float | None, float | None]:
+        t = e.get("injected_ts", e["ts"])
+        return max((x for x in times if x < t), default=None), min((x for x in times if x > t), default=None)
+
+    metrics = [fault_metrics(events, e, *neighbours(e)) for e in injects]
     inert = [f"{m['fault']}->{m['target']}" for m in metrics if not m["took_effect"]]
     inv.insert(1, Invariant("faults_took_effect", not inert,
                             "every injected fault took effect" if not inert else

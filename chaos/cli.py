@@ -1,18 +1,19 @@
 """``chaos``: inject faults into a local elastic run and check that it survives.
 
     chaos suite --config examples/tiny.yaml --nodes 2 --quick
-    chaos soak --config examples/tiny.yaml --duration 10m --mtbf 60s
+    chaos soak --config examples/tiny.yaml --nodes 4 --duration 10m --mtbf 60s
     chaos inject --etcd-endpoint HOST:PORT --run-id ID --node node1 kill_worker
     chaos run plan.yaml -- elastic-launch examples/tiny.yaml --nodes 3
     chaos list
 
 ``suite`` runs a fault-free baseline of the job plus one scenario per fault kind, each as
 separate nodes against one etcd with faults delivered through etcd to the nodes' agents, and
-checks invariants; ``soak`` fires seeded random faults at one long run and reports goodput;
-both write ``report.json`` and a self-contained ``report.html`` and exit 1 unless every
-invariant held.  ``inject`` delivers one fault to a running run's node (signed with the run
-token); ``run`` fires a plan's faults into one local launch by signals.  Errors print one line
-naming the field or flag and exit 2.
+checks invariants; ``soak`` fires seeded random faults at one long run and reports goodput
+(excluding startup too) and recovery times (p50, p95); both write a JSON report and a
+self-contained ``report.html`` and exit 1 unless every invariant held (for the soak: no run
+hung and the weights equal a fault-free replay's).  ``inject`` delivers one fault to a running
+run's node (signed with the run token); ``run`` fires a plan's faults into one local launch by
+signals.  Errors print one line naming the field or flag and exit 2.
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     soak.add_argument("--mtbf", default="60s", help="mean time between faults (exponential inter-arrival)")
     soak.add_argument("--seed", type=int, default=7)
     soak.add_argument("--faults", default="", help="comma-separated fault kinds (default: the soak catalogue)")
-    soak.add_argument("--timeout-s", type=float, default=0.0, help="stop the run after this long (0: 3x duration)")
+    soak.add_argument("--timeout-s", type=float, default=0.0,
+                      help="a run still going after this long is a hang (0: 3x duration + 300 s)")
     inject = sub.add_parser("inject", help="deliver one fault to a node of a running run, through etcd")
     inject.add_argument("fault", help="fault kind (chaos list)")
     inject.add_argument("--etcd-endpoint", required=True)
@@ -159,6 +161,11 @@ def _cmd_soak(args: argparse.Namespace) -> int:
     duration = parse_duration(args.duration, "--duration")
     mtbf = parse_duration(args.mtbf, "--mtbf")
     faults = tuple(n for n in args.faults.split(",") if n)
+    from chaos.injectors import REGISTRY
+
+    unknown = [n for n in faults if n not in REGISTRY]
+    if unknown:
+        raise ConfigError("--faults", f"unknown fault {unknown[0]!r} (known: {', '.join(sorted(REGISTRY))})")
     cfg = SoakConfig(Path(args.out).resolve(), config=Path(args.config).resolve() if args.config else None,
                      num_nodes=args.nodes, steps=args.steps, sets=list(args.set), duration_s=duration, mtbf_s=mtbf,
                      seed=args.seed, faults=faults, etcd_endpoint=args.etcd_endpoint,

@@ -135,6 +135,12 @@ def write_suite_html(report: dict[str, Any], path: Path, png: Path | None) -> Pa
     return path
 
 
+def _mttr(m: dict[str, Any] | None) -> str:
+    if not m or not m.get("n"):
+        return "-"
+    return f"p50 {_fmt(m['p50'], '.2f')} s, p95 {_fmt(m['p95'], '.2f')} s over {m['n']} faults"
+
+
 def write_soak_html(report: dict[str, Any], path: Path, png: Path | None) -> Path:
     ok, g = report["ok"], report["goodput"]
     parts = ("productive_s", "startup_s", "recovery_s", "checkpoint_s", "lost_s", "other_s")
@@ -146,6 +152,10 @@ def write_soak_html(report: dict[str, Any], path: Path, png: Path | None) -> Pat
                                   f"{report['planned']} planned (mtbf {report['mtbf_s']:g}s, seed {report['seed']}, "
                                   f"{report['duration_s']:g}s)"],
                        ["node relaunches", report["requeues"]], ["skipped batches", report["skipped_batches"] or "none"],
+                       ["etcd members", report.get("etcd_members", 1)],
+                       ["hung", "YES: the run did not end on its own" if report.get("hung") else "no"],
+                       ["goodput excluding startup", _fmt(report.get("goodput_excl_startup"), ".3f")],
+                       ["recovery time (faults that needed one)", _mttr(report.get("mttr_s"))],
                        ["fault-free replay checksum", report["replay_checksum"]]]).replace("<table>", '<table class="meta">', 1),
             "<h2>Goodput</h2>",
             table(["part", "seconds", "share of wall"],

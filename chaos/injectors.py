@@ -2,10 +2,11 @@
 
 An injector gets an :class:`InjectionContext` (the run directory, the events
 seen so far, the etcd endpoint, the node list) and does one thing to the run:
-signal a process, write an in-worker fault file, corrupt a checkpoint, freeze
-etcd, or plant a bad hardware reading.  It returns an :class:`InjectionRecord`
-saying exactly what it did (which pids, which file, which step), which the
-runner writes to ``<run_dir>/events/chaos.jsonl`` as a ``chaos.inject`` event.
+signal a process (a worker, a warm spare, an agent), write an in-worker fault
+file, corrupt a checkpoint, freeze etcd or one member of it, or plant a bad
+hardware reading.  It returns an :class:`InjectionRecord` saying exactly what it
+did (which pids, which file, which step), which the runner writes to
+``<run_dir>/events/chaos.jsonl`` as a ``chaos.inject`` event.
 
 Some faults only make sense at a moment the runner cannot name by step or
 time (while agents are in a rendezvous, while a checkpoint is being written);
@@ -53,6 +54,75 @@ class KillWorker(Injector):
             raise TargetNotFound(f"no live worker for {self.target!r}")
         _kill(int(worker["pid"]), signal.SIGKILL)
         return self._record(ctx, [int(worker["pid"])], node=worker.get("node"), rank=_rank_of(worker["source"]))
+
+
+@register("kill_during_recovery")
+class KillDuringRecovery(KillWorker):
+    """SIGKILL one worker while the run re-forms after an earlier fault (a second fault mid-recovery).
+
+    Under ``chaos run`` it waits for the moment in the events: a replacement worker (a spare that
+    took a dead worker's slot, or a restarted worker) has started but not trained a step yet.  In
+    ``chaos suite`` / ``chaos soak`` plans it follows another kill (``after`` and ``delay_s``): the
+    soak fires it half a second after a ``kill_worker``, on any node.
+    """
+
+    def ready(self, ctx: InjectionContext) -> bool:
+        return bool(reforming(ctx))
+
+
+def reforming(ctx: InjectionContext) -> list[int]:
+    """Pids of live replacement workers that have not trained a step yet (the run is re-forming)."""
+    steps = ctx.follower.of_kind("trainer.step")
+    if not steps:
+        return []  # the run's first start is no recovery
+    stepped = {e["pid"] for e in steps}
+    first = steps[0]["ts"]
+    joining = {int(e["pid"]) for e in ctx.follower.of_kind("trainer.start") if e["ts"] > first}
+    joining |= {int(e["spare_pid"]) for e in ctx.follower.of_kind("agent.inprocess_replace") if e.get("spare_pid")}
+    return sorted(pid for pid in joining if pid not in stepped and alive(pid))
+
+
+@register("kill_spare")
+class KillSpare(Injector):
+    """SIGKILL a node's warm spare (``python -m elastic.worker.spare``, in-process recovery's standby).
+
+    The pid is the one in the node agent's newest ``agent.spare_started`` event; a spare that has
+    since taken a dead worker's slot (``agent.inprocess_replace``) is a worker, never this target.
+    Training goes on: the agent has to notice the death and start another spare before the next
+    worker death needs one.
+    """
+
+    restarts_workers = False
+
+    def inject(self, ctx: InjectionContext) -> InjectionRecord:
+        node, _ = parse_target(self.target)
+        found = live_spare(ctx, node)
+        if found is None:
+            raise TargetNotFound(f"no live warm spare for {self.target!r}")
+        spare_node, pid = found
+        _kill(pid, signal.SIGKILL)
+        return self._record(ctx, [pid], node=spare_node)
+
+
+def live_spare(ctx: InjectionContext, node: str | None) -> tuple[str, int] | None:
+    """(node, pid) of a live, unassigned warm spare of ``node`` (any node when None)."""
+    taken = {int(e["spare_pid"]) for e in ctx.follower.of_kind("agent.inprocess_replace") if e.get("spare_pid")}
+    newest: dict[str, int] = {}
+    for e in ctx.follower.of_kind("agent.spare_started"):
+        newest[e.get("source", "").partition("/")[2]] = int(e.get("spare_pid") or 0)
+    for name, pid in sorted(newest.items()):
+        if (node is None or name == node) and pid not in taken and _is_spare(pid):
+            return name, pid
+    return None
+
+
+def _is_spare(pid: int) -> bool:
+    # The pid must still be the spare the event named (a zombie's cmdline is empty; pids get reused).
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            return b"elastic.worker.spare" in fh.read() and alive(pid)
+    except OSError:
+        return False
 
 
 @register("kill_agent")
@@ -198,7 +268,9 @@ class KillDuringCheckpoint(Injector):
 from chaos.state_faults import (  # noqa: E402,F401
     BadHardware,
     CorruptCheckpoint,
+    EtcdMemberStop,
     EtcdOutage,
+    MemberStopParams,
     OutageParams,
     checkpoint_root,
     newest_committed,

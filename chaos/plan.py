@@ -17,7 +17,11 @@ or a random one, expanded into such a list by a seeded generator::
       max_faults: 5
       start_s: 5          # first fault no earlier than this
 
-The same seed and node list always give the same schedule.  Errors are
+In the runs of ``chaos suite`` and ``chaos soak`` (faults through etcd) ``after`` names an
+earlier fault of the plan that must have run first; with ``delay_s`` the fault fires that many
+seconds after it (chaos keeps the time, so the two may hit different nodes: a second kill while
+the run re-forms after the first).  The same seed and node list always give the same schedule;
+``cover`` (the soak's draw) makes the first draws go through every fault once.  Errors are
 :class:`~elastic.common.config.ConfigError` with one line naming the field, e.g.
 ``faults[1].params.duration_s: expected a number, got str 'x'``.
 """
@@ -35,8 +39,10 @@ from chaos.follow import parse_target
 from chaos.injectors import REGISTRY, Injector
 from elastic.common.config import ConfigError, from_dict
 
-_FAULT_KEYS = ("fault", "target", "at_step", "at_time_s", "params", "after")
+_FAULT_KEYS = ("fault", "target", "at_step", "at_time_s", "params", "after", "delay_s")
 _RANDOM_KEYS = ("mtbf_s", "seed", "faults", "protected", "max_faults", "start_s", "params")
+ETCD_FAULTS = ("etcd_outage", "etcd_member_stop")
+"""Faults whose target is the run's etcd itself (their default target: ``etcd``)."""
 
 
 @dataclass
@@ -47,7 +53,9 @@ class FaultSpec:
     at_time_s: float | None = None
     params: Any = None
     after: int | None = None
-    """Index of another fault of the plan on the same node that must have run first (etcd delivery)."""
+    """Index of another fault of the plan that must have run first (on the same node, unless ``delay_s``)."""
+    delay_s: float | None = None
+    """With ``after``: fire this many seconds after that fault ran (chaos keeps the time; any target)."""
 
     @property
     def before_launch(self) -> bool:
@@ -58,6 +66,8 @@ class FaultSpec:
 
     def describe(self) -> str:
         when = f"step {self.at_step}" if self.at_step is not None else f"t={self.at_time_s:g}s"
+        if self.after is not None and self.delay_s is not None:
+            when = f"#{self.after} + {self.delay_s:g}s"
         return f"{self.fault} -> {self.target} @ {when}"
 
 
@@ -70,6 +80,9 @@ class RandomPlan:
     max_faults: int = 3
     start_s: float = 0.0
     params: dict[str, dict[str, Any]] = field(default_factory=dict)
+    cover: bool = False
+    """The first draws go through every fault once (in a seeded order), then by weight: a soak
+    shorter than the catalogue still sees as many different kinds as it has faults."""
 
     def schedule(self, targets: list[str]) -> list[FaultSpec]:
         """Deterministic expansion: times by exponential inter-arrival, faults by weight, targets uniform."""
@@ -78,12 +91,13 @@ class RandomPlan:
             raise ConfigError("random.protected", f"protects every target ({targets})")
         rng = random.Random(self.seed)
         names = sorted(self.weights)
+        first = rng.sample(names, len(names)) if self.cover else []
         out: list[FaultSpec] = []
         t = self.start_s
         for i in range(self.max_faults):
             t += rng.expovariate(1.0 / self.mtbf_s)
-            name = rng.choices(names, weights=[self.weights[n] for n in names])[0]
-            target = "etcd" if name == "etcd_outage" else rng.choice(pool)
+            name = first[i] if i < len(first) else rng.choices(names, weights=[self.weights[n] for n in names])[0]
+            target = "etcd" if name in ETCD_FAULTS else rng.choice(pool)
             params = _params(name, self.params.get(name, {}), f"random.params.{name}")
             out.append(FaultSpec(name, target, at_time_s=round(t, 3), params=params))
         return out
@@ -116,7 +130,7 @@ def _fault(raw: Any, path: str) -> FaultSpec:
     name = raw.get("fault")
     if name not in REGISTRY:
         raise ConfigError(f"{path}.fault", f"unknown fault {name!r} (known: {', '.join(sorted(REGISTRY))})")
-    target = raw.get("target", "etcd" if name == "etcd_outage" else None)
+    target = raw.get("target", "etcd" if name in ETCD_FAULTS else None)
     if not isinstance(target, str) or not target:
         raise ConfigError(f"{path}.target", "required: a node (node1), a rank (rank0), node1/rank0 or etcd")
     at_step, at_time = raw.get("at_step"), raw.get("at_time_s")
@@ -130,7 +144,14 @@ def _fault(raw: Any, path: str) -> FaultSpec:
     after = raw.get("after")
     if after is not None and (isinstance(after, bool) or not isinstance(after, int) or after < 0):
         raise ConfigError(f"{path}.after", f"expected the index of an earlier fault, got {after!r}")
-    spec = FaultSpec(name, target, at_step, float(at_time) if at_time is not None else None, params, after)
+    delay = raw.get("delay_s")
+    if delay is not None:
+        if isinstance(delay, bool) or not isinstance(delay, (int, float)) or delay < 0:
+            raise ConfigError(f"{path}.delay_s", f"expected a number of seconds >= 0, got {delay!r}")
+        if after is None:
+            raise ConfigError(f"{path}.delay_s", "counts from the fault named by after: give after too")
+        delay = float(delay)
+    spec = FaultSpec(name, target, at_step, float(at_time) if at_time is not None else None, params, after, delay)
     if spec.before_launch and REGISTRY[name].needs_run:
         raise ConfigError(f"{path}.at_time_s", f"{name} needs running processes; 0 (before launch) is only "
                                                "for file faults")

@@ -1,20 +1,28 @@
 """``chaos soak``: seeded random faults at one long run of the job, and what they cost in goodput.
 
-    chaos soak --config examples/tiny.yaml --duration 10m --mtbf 60s
+    chaos soak --config examples/tiny.yaml --nodes 4 --duration 10m --mtbf 60s
 
 One run of the job on separate nodes (faults through etcd, as in the suite) takes faults drawn
 from the catalogue at exponential inter-arrival times (mean ``--mtbf``, ``--seed``) for
-``--duration``.  A lost node is relaunched (``requeue``, what a scheduler does), so the world
-keeps its size and the final weights stay comparable: after the soak a fault-free replay of the
-job that skips the same batches (a NaN makes the run skip one) must end bitwise equal.
+``--duration``; the first draws go through every kind once before weights apply.  A lost node
+is relaunched (``requeue``, what a scheduler does), so the world keeps its size and the final
+weights stay comparable: after the soak a fault-free replay of the job that skips the same
+batches (a NaN makes the run skip one) must end bitwise equal.  A plan that stops an etcd member
+runs against a 3-member etcd (what ``launch.etcd_members: 3`` starts in local mode).
 
 The report (``soak.json``, ``goodput.json``, ``report.html``) gives the run's goodput broken
 into startup, recovery, checkpoint, lost work and the rest (they add up to the wall time),
-faults injected vs recovered, the cost of each fault kind, and every invariant that broke.
+``goodput_excl_startup`` (productive time over the wall time after startup), ``mttr_s`` (p50 and
+p95 of the recovery times of the faults that needed a recovery), faults injected vs recovered,
+the cost of each fault kind, and every invariant that broke.  A run that did not end on its own
+within ``--timeout-s`` is a hang (``hung``; its replay is not run).  The soak passes only when
+nothing hung, every invariant held and the weights equal the replay's.
 """
 
 from __future__ import annotations
 
+import math
+import random
 import re
 import statistics
 import time
@@ -22,8 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from chaos.analysis import Expectation, Invariant, check_run
-from chaos.cluster_runner import ClusterRunner, ClusterSpec
+from chaos.analysis import Expectation, Invariant, check_run, evidence
+from chaos.cluster_runner import ClusterOutcome, ClusterRunner, ClusterSpec
 from chaos.plan import FaultSpec, RandomPlan
 from chaos.report import plot_timeline, write_json
 from chaos.suite import Job, SuiteConfig, child_env, resolve_job, run_scenario, skipped_steps
@@ -31,13 +39,27 @@ from elastic.common.config import ConfigError
 from elastic.common.events import read_run_events
 from elastic.run.goodput import compute_goodput
 
-# What a soak fires by default, with weights: faults a node recovers from without leaving the run.
+# What a soak fires by default, with weights: every fault the run recovers from at its full size
+# (a lost node is relaunched).  kill_during_recovery comes after a kill_worker (see plan()).
 CATALOGUE = {"kill_worker": 3.0, "hang_worker": 1.0, "corrupt_checkpoint": 1.0, "nan": 1.0, "straggler": 1.0,
-             "etcd_outage": 1.0, "etcd_latency": 1.0, "kill_agent": 1.0}
+             "etcd_outage": 1.0, "etcd_latency": 1.0, "kill_agent": 1.0, "kill_spare": 1.0,
+             "kill_during_recovery": 1.0, "etcd_member_stop": 1.0, "kill_during_checkpoint": 1.0,
+             "ckpt_write_error": 1.0}
+NOT_SOAKED = {
+    "kill_during_rendezvous": "waits for a rendezvous, which a run recovering in-process may never hold again",
+    "bad_hardware": "excludes its node for good: the world shrinks and the weights stop being comparable",
+    "partition": "needs root and network namespaces (chaos suite --netns runs it)",
+}
+"""Registered faults the soak does not draw, and why (every other one is in CATALOGUE)."""
+RECOVERY_KILL_DELAY_S = 0.5
+"""A kill_during_recovery fires this long after the kill_worker it follows (on any node)."""
+SPARE_KILL_GAP_S = 2.0
+"""A spare kill is followed this long after by a kill of the same node's worker."""
 # The soak injects failures on purpose: the lemon-node policy would exclude their targets, a
 # 30 s hang timeout would make every hang cost a minute, and the restart budgets would run out.
+# Agents look for fault requests every 0.25 s, so a kill meant for a recovery lands in it.
 SOAK_SETS = ["agent.max_restarts=1000", "agent.failure.no_progress_restarts=0", "agent.leader.lemon_failures=0",
-             "agent.heartbeat.step_timeout_s=6"]
+             "agent.heartbeat.step_timeout_s=6", "agent.chaos.poll_s=0.25"]
 PARTS = ("productive_s", "startup_s", "recovery_s", "checkpoint_s", "lost_s", "other_s")
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)(ms|s|m|h)?$")
 
@@ -68,18 +90,39 @@ class SoakConfig:
     """No fault before this many seconds into the run (default: a fifth of the duration, max 60 s)."""
 
 
-def plan(cfg: SoakConfig, job: Job) -> list[FaultSpec]:
-    """The seeded schedule within the duration; a corruption is followed by a kill on the same node
-    (a damaged checkpoint only matters when a restart has to load past it)."""
+def soaked(cfg: SoakConfig) -> dict[str, float]:
+    """The fault kinds this soak draws from, with weights (``--faults`` or the catalogue)."""
     weights = {name: CATALOGUE.get(name, 1.0) for name in cfg.faults} if cfg.faults else dict(CATALOGUE)
+    if cfg.etcd_endpoint:
+        weights.pop("etcd_member_stop", None)  # an operator's etcd is not ours to take members from
+    if not weights:
+        raise ConfigError("--faults", "no fault left to draw (etcd_member_stop needs the etcd chaos starts)")
+    return weights
+
+
+def plan(cfg: SoakConfig, job: Job) -> list[FaultSpec]:
+    """The seeded schedule within the duration.  A corruption and a spare kill are each followed by
+    a kill of the same node's worker (a damaged checkpoint only matters when a restart has to load
+    past it, a dead spare when a worker death needs it); a kill during a recovery comes after a
+    kill_worker, on a node of its own draw."""
     start = cfg.start_s or min(cfg.duration_s / 5, 60.0)
-    draw = RandomPlan(cfg.mtbf_s, cfg.seed, weights, protected=[], max_faults=10_000, start_s=start)
+    draw = RandomPlan(cfg.mtbf_s, cfg.seed, soaked(cfg), protected=[], max_faults=10_000, start_s=start,
+                      cover=True)
     specs = [f for f in draw.schedule(job.nodes) if (f.at_time_s or 0) <= cfg.duration_s]
+    second = random.Random(cfg.seed * 7919 + 1)  # the follow-up kills' nodes: the draw above stays as it was
     out: list[FaultSpec] = []
     for f in specs:
+        if f.fault == "kill_during_recovery":
+            out.append(FaultSpec("kill_worker", f.target, at_time_s=f.at_time_s))
+            out.append(FaultSpec(f.fault, second.choice(job.nodes), at_time_s=f.at_time_s, params=f.params,
+                                 after=len(out) - 1, delay_s=RECOVERY_KILL_DELAY_S))
+            continue
         out.append(f)
         if f.fault == "corrupt_checkpoint":
             out.append(FaultSpec("kill_worker", f.target, at_time_s=f.at_time_s, after=len(out) - 1))
+        if f.fault == "kill_spare":
+            out.append(FaultSpec("kill_worker", f.target, at_time_s=f.at_time_s, after=len(out) - 1,
+                                 delay_s=SPARE_KILL_GAP_S))
     return out
 
 
@@ -113,6 +156,10 @@ def per_kind(metrics: list[dict[str, Any]], events: list[dict], wall: float) -> 
             k["recovery_s"].append(m["recovery_s"])
         k["steps_lost"] += m.get("steps_lost") or 0
         k["cost_s"] += (m.get("recovery_s") or 0.0) + (m.get("steps_lost") or 0) * step_s
+    for m in metrics:
+        if "during_recovery" in m:  # a kill meant for a recovery: did it land in one?
+            k = out[m["fault"]]
+            k["during_recovery"] = k.get("during_recovery", 0) + int(bool(m["during_recovery"]))
     for k in out.values():
         rec = k.pop("recovery_s")
         k["mean_recovery_s"] = round(statistics.mean(rec), 2) if rec else None
@@ -120,6 +167,44 @@ def per_kind(metrics: list[dict[str, Any]], events: list[dict], wall: float) -> 
         k["cost_s"] = round(k["cost_s"], 2)
         k["goodput_cost"] = round(k["cost_s"] / wall, 4) if wall else None
     return out
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """The q-quantile (0..1), interpolating linearly between the closest ranks; None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return round(ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo), 3)
+
+
+def mttr(metrics: list[dict[str, Any]]) -> dict[str, Any]:
+    """p50 / p95 of fault -> first step of the re-formed run, over the faults that needed a recovery
+    (workers restarted or replaced after them); ``n`` says how many."""
+    times = [m["recovery_s"] for m in metrics if m.get("restarted") and m.get("recovery_s") is not None]
+    return {"p50": percentile(times, 0.5), "p95": percentile(times, 0.95), "n": len(times)}
+
+
+def goodput_excl_startup(goodput: dict[str, Any]) -> float | None:
+    """Productive time over the wall time after startup: what the faults cost, the start not counted."""
+    wall, startup, productive = (goodput.get(k) for k in ("wall_s", "startup_s", "productive_s"))
+    if wall is None or startup is None or productive is None or wall - startup <= 0:
+        return None
+    return round(productive / (wall - startup), 4)
+
+
+def hang_invariant(timeout_s: float, runs: dict[str, ClusterOutcome | None]) -> Invariant:
+    """Every run ended on its own: one still going at its timeout (or a launcher still there a
+    minute after the run finished) is a hang, the worst result a runtime can give."""
+    hung = {name: o for name, o in runs.items() if o is not None and o.hung}
+    if not hung:
+        return Invariant("no_hang", True, f"{' and '.join(n for n, o in runs.items() if o)} ended on their own")
+    why = [f"{name}: " + (f"still running after {timeout_s:g}s" if o.timed_out else
+                          "finished, but a launcher was still running a minute later")
+           + f" (launcher rc at stop: {o.node_rcs})" for name, o in hung.items()]
+    return Invariant("no_hang", False, "HUNG: " + "; ".join(why))
 
 
 def goodput_invariant(goodput: dict[str, Any]) -> Invariant:
@@ -140,7 +225,7 @@ def _job(cfg: SoakConfig) -> tuple[Job, SuiteConfig]:
     return job, suite
 
 
-def _soak_run(cfg: SoakConfig, job: Job, faults: list[FaultSpec], stamp: str):
+def _soak_run(cfg: SoakConfig, job: Job, faults: list[FaultSpec], stamp: str) -> tuple[dict, ClusterOutcome]:
     base = cfg.out_dir / "soak"
     n = len(job.nodes)
     spec = ClusterSpec(job.config, f"{job.cfg.run.id}-soak-{stamp}"[:64], base / "run", job.nodes, str(n),
@@ -148,9 +233,12 @@ def _soak_run(cfg: SoakConfig, job: Job, faults: list[FaultSpec], stamp: str):
                        overrides=[*SOAK_SETS, *cfg.sets], etcd_endpoint=cfg.etcd_endpoint, proxy=True,
                        netns=any(f.fault == "partition" for f in faults), token=job.token, interval=job.interval,
                        nproc_per_node=job.cfg.launch.nproc_per_node, requeue=True, timeout_s=cfg.timeout_s)
+    runner = ClusterRunner(spec, faults)
     entry = {"name": "soak", "run_dir": str(spec.run_dir), "run_id": spec.run_id, "nodes": spec.node_range,
-             "plan": [f.describe() for f in faults]}
-    return entry, ClusterRunner(spec, faults).run()
+             "plan": [f.describe() for f in faults], "etcd_members": runner.etcd_members}
+    outcome = runner.run()
+    entry.update(timed_out=outcome.timed_out, lingered=outcome.lingered, node_rcs=outcome.node_rcs)
+    return entry, outcome
 
 
 def run_soak(cfg: SoakConfig, echo=print) -> dict[str, Any]:
@@ -162,12 +250,19 @@ def run_soak(cfg: SoakConfig, echo=print) -> dict[str, Any]:
     stamp = f"{int(time.time()) % 1000000:06d}"
     echo(f"chaos soak: {job.config.name}, {len(job.nodes)} nodes, {job.steps} steps, {len(faults)} faults over "
          f"{cfg.duration_s:g}s (mtbf {cfg.mtbf_s:g}s, seed {cfg.seed})")
+    for f in faults:
+        echo(f"  planned {f.describe()}")
     entry, outcome = _soak_run(cfg, job, faults, stamp)
     run_dir = Path(entry["run_dir"])
     skips = skipped_steps(run_dir, outcome)
-    replay_entry, replay_outcome = run_scenario(None, "replay", suite, job, stamp, skips)
-    replay = check_run(Path(replay_entry["run_dir"]), Expectation(steps=job.steps, bitwise=False, note="replay"),
-                       None, replay_outcome.rc, node_rcs=replay_outcome.node_rcs, wall_s=replay_outcome.wall_s)
+    if outcome.hung:
+        # A hung run has no final weights to compare: the verdict is in, and a replay costs a run.
+        replay_entry, replay_outcome = {"name": "replay", "skipped": "the soak run hung"}, None
+        replay: dict[str, Any] = {"ok": None, "final_checksum": None, "invariants": []}
+    else:
+        replay_entry, replay_outcome = run_scenario(None, "replay", suite, job, stamp, skips)
+        replay = check_run(Path(replay_entry["run_dir"]), Expectation(steps=job.steps, bitwise=False, note="replay"),
+                           None, replay_outcome.rc, node_rcs=replay_outcome.node_rcs, wall_s=replay_outcome.wall_s)
     events = read_run_events(run_dir)
     goodput = compute_goodput(events)
     expect = Expectation(steps=job.steps, note="fault-free replay skipping the same batches",
@@ -178,13 +273,22 @@ def run_soak(cfg: SoakConfig, echo=print) -> dict[str, Any]:
     injected = sum(k["injected"] for k in kinds.values())
     recovered_n = sum(k["recovered"] for k in kinds.values())
     every = Invariant("every_fault_recovered", injected == recovered_n,
-                      f"{recovered_n} of {injected} injected faults recovered (training went on past each)")
-    result["invariants"].append(every.to_json())
-    result["ok"] = result["ok"] and every.ok and replay["ok"] is not False
+                      f"{recovered_n} of {injected} injected faults recovered (training went on past each)",
+                      evidence([e for e in events if e.get("kind") in ("chaos.inject", "chaos.not_injected")], 8))
+    hang = hang_invariant(cfg.timeout_s, {"soak": outcome, "replay": replay_outcome})
+    replayed = [Invariant(f"replay_{i['name']}", False, i["detail"], i.get("evidence", []))
+                for i in replay["invariants"] if not i["ok"]]
+    result["invariants"] += [inv.to_json() for inv in [hang, every, *replayed]]
+    result["ok"] = result["ok"] and hang.ok and every.ok and replay["ok"] is not False
+    drawn = {f.fault for f in faults}
     report = {"job": str(job.config), "nodes": len(job.nodes), "steps": job.steps, "duration_s": cfg.duration_s,
-              "mtbf_s": cfg.mtbf_s, "seed": cfg.seed, "sets": cfg.sets, "planned": len(faults),
-              "injected": injected, "recovered": recovered_n, "requeues": outcome.requeues, "skipped_batches": skips,
-              "goodput": goodput, "per_kind": kinds, "ok": result["ok"],
+              "mtbf_s": cfg.mtbf_s, "seed": cfg.seed, "sets": cfg.sets, "etcd_members": entry["etcd_members"],
+              "planned": len(faults), "injected": injected, "recovered": recovered_n, "requeues": outcome.requeues,
+              "skipped_batches": skips, "hung": not hang.ok, "goodput": goodput,
+              "recoveries_not_bitwise": sum(1 for e in events if e.get("kind") == "trainer.recovered"
+                                            and e.get("bitwise") is False),
+              "goodput_excl_startup": goodput_excl_startup(goodput), "mttr_s": mttr(result["faults"]),
+              "per_kind": kinds, "not_drawn": sorted(set(soaked(cfg)) - drawn), "ok": result["ok"],
               "broken": [i for i in result["invariants"] if not i["ok"]],
               "replay_checksum": replay["final_checksum"], "soak": {**entry, "result": result},
               "replay": {**replay_entry, "result": replay}}
@@ -201,14 +305,32 @@ def run_soak(cfg: SoakConfig, echo=print) -> dict[str, Any]:
 def summary_lines(report: dict[str, Any]) -> list[str]:
     from elastic.run.goodput import format_goodput
 
-    lines = [format_goodput(report["goodput"]),
+    g, m = report["goodput"], report["mttr_s"]
+    excl = report["goodput_excl_startup"]
+    lines = [format_goodput(g),
+             f"goodput_excl_startup {excl if excl is not None else '-'} (productive {g.get('productive_s')}s of "
+             f"{round((g.get('wall_s') or 0) - (g.get('startup_s') or 0), 2)}s after startup)",
+             f"mttr_s p50 {_s(m['p50'])} p95 {_s(m['p95'])} over {m['n']} faults that needed a recovery",
+             "hung: no (every run ended on its own)" if not report["hung"] else
+             "hung: YES -- " + next((i["detail"] for i in report["broken"] if i["name"] == "no_hang"), "see soak.json"),
              f"faults: {report['injected']} injected, {report['recovered']} recovered "
-             f"({report['planned']} planned, {report['requeues']} node relaunches)"]
+             f"({report['planned']} planned, {report['requeues']} node relaunches, etcd members "
+             f"{report.get('etcd_members', 1)})"]
     for kind, k in sorted(report["per_kind"].items()):
-        lines.append(f"  {kind:20} {k['recovered']}/{k['injected']} recovered, mean recovery "
+        mid = f", {k['during_recovery']} of them mid-recovery" if "during_recovery" in k else ""
+        lines.append(f"  {kind:20} {k['recovered']}/{k['injected']} recovered{mid}, mean recovery "
                      f"{k['mean_recovery_s'] if k['mean_recovery_s'] is not None else '-'}s, steps lost "
                      f"{k['steps_lost']}, cost {k['cost_s']}s ({(k['goodput_cost'] or 0) * 100:.1f}% of wall)")
+    if report.get("recoveries_not_bitwise"):
+        lines.append(f"  {report['recoveries_not_bitwise']} rank recoveries reported a restored state that is not "
+                     "bitwise the pre-fault one (trainer.recovered bitwise=false)")
+    if report.get("not_drawn"):
+        lines.append(f"  not drawn this time: {', '.join(report['not_drawn'])}")
     broken = report["broken"]
     lines.append("invariants: every one held" if not broken else
                  "BROKEN: " + "; ".join(f"{i['name']}: {i['detail']}" for i in broken))
     return lines
+
+
+def _s(value: float | None) -> str:
+    return "-" if value is None else f"{value:g}s"

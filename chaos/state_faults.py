@@ -1,12 +1,15 @@
-"""Faults on the run's state outside the processes: a corrupt checkpoint, an etcd outage, bad hardware readings."""
+"""Faults on the run's state outside the processes: a corrupt checkpoint, an etcd outage or one etcd
+member stopped, bad hardware readings."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import threading
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -95,10 +98,15 @@ class EtcdOutage(Injector):
         self.resumed_ts: float | None = None
         self.error: str | None = None
 
-    def inject(self, ctx: InjectionContext) -> InjectionRecord:
+    def _target(self, ctx: InjectionContext) -> tuple[int, dict[str, Any]]:
+        """The etcd process to stop, and what to record about it."""
         pid, _ = ctx.follower.etcd()
         if pid is None or not alive(pid):
             raise TargetNotFound("no live etcd server in the run's events")
+        return pid, {}
+
+    def inject(self, ctx: InjectionContext) -> InjectionRecord:
+        pid, detail = self._target(ctx)
         if self.params.mode == "stop":
             _kill(pid, signal.SIGSTOP)
             self._stopped = pid
@@ -108,7 +116,7 @@ class EtcdOutage(Injector):
             _kill(pid, signal.SIGKILL)
             self._thread = threading.Thread(target=self._respawn_later, args=(pid, cmdline, cwd), daemon=True)
         self._thread.start()
-        return self._record(ctx, [pid], mode=self.params.mode, duration_s=self.params.duration_s)
+        return self._record(ctx, [pid], mode=self.params.mode, duration_s=self.params.duration_s, **detail)
 
     def _resume_later(self) -> None:
         time.sleep(self.params.duration_s)
@@ -153,6 +161,60 @@ class EtcdOutage(Injector):
             except subprocess.TimeoutExpired:
                 self._respawned.kill()
                 self._respawned.wait()
+
+
+@dataclass(kw_only=True)
+class MemberStopParams(OutageParams):
+    duration_s: float = 10.0
+    member: int | None = None
+    """Index of the member to stop (0..2, in ``--etcd-endpoint`` order); None: the raft leader now."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.member is not None and self.member < 0:
+            from elastic.common.config import ConfigError
+
+            raise ConfigError("member", "must be >= 0")
+
+
+@register("etcd_member_stop")
+class EtcdMemberStop(EtcdOutage):
+    """Stop one member of a 3-member etcd (``launch.etcd_members: 3``) for ``duration_s``.
+
+    The other two keep a quorum (electing a new leader when the stopped one led), so the run must
+    go on: its clients move to a live member.  ``mode: kill`` restarts the member on its data dir.
+    """
+
+    Params = MemberStopParams
+
+    def _target(self, ctx: InjectionContext) -> tuple[int, dict[str, Any]]:
+        started = ctx.follower.of_kind("launcher.etcd_started")
+        pids = [int(p) for p in (started[-1].get("etcd_pids") or []) if p] if started else []
+        if len(pids) < 3:
+            raise TargetNotFound("etcd_member_stop needs a 3-member etcd (launch.etcd_members: 3)")
+        endpoints = str(started[-1].get("endpoint", "")).split(",")
+        leader = etcd_leader(endpoints)
+        index = self.params.member if self.params.member is not None else (leader or 0)
+        if index >= len(pids) or not alive(pids[index]):
+            raise TargetNotFound(f"etcd member {index} is not alive (members: {pids})")
+        return pids[index], {"member": index, "leader": index == leader, "members": len(pids)}
+
+
+def etcd_leader(endpoints: list[str], timeout_s: float = 1.0) -> int | None:
+    """Index of the member the reachable members name as raft leader (None when none answers)."""
+    ids: dict[int, str] = {}
+    leaders: set[str] = set()
+    for i, endpoint in enumerate(endpoints):
+        request = urllib.request.Request(f"http://{endpoint}/v3/maintenance/status", data=b"{}",
+                                         headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=timeout_s) as resp:
+                status = json.loads(resp.read())
+        except (OSError, ValueError):
+            continue
+        ids[i] = str(status.get("header", {}).get("member_id"))
+        leaders.add(str(status.get("leader")))
+    return next((i for i, member in sorted(ids.items()) if member in leaders), None)
 
 
 def _proc_cmdline(pid: int) -> list[str]:

@@ -58,8 +58,8 @@ class Scenario:
 
 
 def _spec(fault: str, target: str, at_step: int | None = None, at_time_s: float | None = None,
-          after: int | None = None, **params: Any) -> FaultSpec:
-    return FaultSpec(fault, target, at_step, at_time_s, from_dict(REGISTRY[fault].Params, params), after)
+          after: int | None = None, delay_s: float | None = None, **params: Any) -> FaultSpec:
+    return FaultSpec(fault, target, at_step, at_time_s, from_dict(REGISTRY[fault].Params, params), after, delay_s)
 
 
 def standard_scenarios(nodes: list[str], steps: int, interval: int) -> list[Scenario]:
@@ -95,6 +95,16 @@ def standard_scenarios(nodes: list[str], steps: int, interval: int) -> list[Scen
                     note="compared with a fault-free replay that skips the same batches"), replay=True),
         Scenario("ckpt_write_error", [_spec("ckpt_write_error", nodes[0], at_time_s=0, step=ckpt)],
                  ex(required_events=["checkpoint.save_failed"])),
+        # A dead spare must be noticed and replaced before the node's next worker death needs one.
+        Scenario("kill_spare", [_spec("kill_spare", first, at_step=interval + 2),
+                                _spec("kill_worker", first, at_step=interval + 2, after=0, delay_s=2.0)], ex()),
+        Scenario("kill_during_recovery", [_spec("kill_worker", first, at_step=interval + 2),
+                                          _spec("kill_during_recovery", last, at_step=interval + 2, after=0,
+                                                delay_s=0.5)], ex()),
+        # A 3-member etcd (chaos starts one for this plan) loses a member across a worker kill.
+        Scenario("etcd_member_stop", [_spec("etcd_member_stop", "etcd", at_step=interval + 2, duration_s=10.0),
+                                      _spec("kill_worker", first, at_step=interval + 2, after=0, delay_s=1.0)],
+                 ex()),
         Scenario("kill_agent", [_spec("kill_agent", last, at_step=interval + 2)],
                  ex(bitwise=False, launcher_rc=None, note="the world shrinks to the surviving nodes"), shrink=True),
         Scenario("bad_hardware", [_spec("bad_hardware", last, at_time_s=0)],
@@ -202,6 +212,8 @@ def _applicable(scenario: Scenario, cfg: SuiteConfig, job: Job) -> str:
             return why or "network namespaces not requested (--netns)"
     if scenario.name == "etcd_outage" and cfg.etcd_endpoint:
         scenario.proxy = True  # the operator's etcd is not ours to stop: blackhole it at the proxy
+    if scenario.name == "etcd_member_stop" and cfg.etcd_endpoint:
+        return "stops a member of the 3-member etcd chaos starts; the operator's etcd is not ours to stop"
     return ""
 
 

@@ -63,6 +63,9 @@ class NanLoss(Injector):
 
     Params = AtStepParams
     needs_run = False
+    # The default numerics action skips the batch in place; a rollback's restart is still measured
+    # when it comes before the next fault (chaos.analysis).
+    restarts_workers = False
 
     def inject(self, ctx: InjectionContext) -> InjectionRecord:
         step = self.params.step if self.params.step is not None else _fault_step(ctx, None)

@@ -164,6 +164,118 @@ def test_kill_during_checkpoint_only_inside_the_save_window(tmp_path, sleeper):
     assert w.wait(timeout=5) == -9
 
 
+
+def test_kill_spare_kills_the_nodes_unassigned_warm_spare_only(tmp_path):
+    def spare() -> subprocess.Popen:
+        # What the agent starts: `python -m elastic.worker.spare ...` (its cmdline names the module).
+        proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", "elastic.worker.spare"])
+        # Right after fork the child still shows the parent's command line.
+        assert wait_until(lambda: b"elastic.worker.spare" in Path(f"/proc/{proc.pid}/cmdline").read_bytes(), 10)
+        return proc
+
+    old, s0, s1 = spare(), spare(), spare()
+    impostor = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        ev = Events(tmp_path)
+        ev.add("agent/node1", "agent.spare_started", 21, spare_pid=old.pid)
+        ev.add("agent/node0", "agent.spare_started", 20, spare_pid=s0.pid)
+        ev.add("agent/node1", "agent.inprocess_replace", 21, local_rank=0, spare_pid=old.pid, gen=1)
+        with pytest.raises(TargetNotFound):  # node1's only spare became a worker: it is no target
+            injector("kill_spare", "node1").inject(make_ctx(tmp_path))
+        ev.add("agent/node1", "agent.spare_started", 21, spare_pid=s1.pid)
+        record = injector("kill_spare", "node1").inject(make_ctx(tmp_path))
+        assert record.pids == [s1.pid] and record.detail["node"] == "node1"
+        assert s1.wait(timeout=5) == -9
+        assert old.poll() is None and s0.poll() is None
+        with pytest.raises(TargetNotFound):  # dead (a zombie until reaped) is not a spare either
+            injector("kill_spare", "node1").inject(make_ctx(tmp_path))
+        ev.add("agent/node2", "agent.spare_started", 22, spare_pid=impostor.pid)  # a pid that is no spare
+        with pytest.raises(TargetNotFound):
+            injector("kill_spare", "node2").inject(make_ctx(tmp_path))
+        assert impostor.poll() is None
+        assert injector("kill_spare", "any").inject(make_ctx(tmp_path)).pids == [s0.pid]
+        assert s0.wait(timeout=5) == -9
+    finally:
+        for proc in (old, s0, s1, impostor):
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+
+
+def test_kill_during_recovery_waits_for_a_replacement_that_has_not_stepped(tmp_path, sleeper):
+    w0, w1, replacement = sleeper(), sleeper(), sleeper()
+    ev = Events(tmp_path)
+    ev.add("trainer/rank0", "trainer.start", w0.pid, node="node0", step=0)
+    ev.add("trainer/rank1", "trainer.start", w1.pid, node="node1", step=0)
+    ev.add("trainer/rank0", "trainer.step", w0.pid, step=1, loss=0.1, step_time=0.1)
+    inj = injector("kill_during_recovery", "node0")
+    assert not inj.ready(make_ctx(tmp_path))  # the first start is no recovery
+    ev.add("agent/node1", "agent.inprocess_replace", 31, local_rank=0, spare_pid=replacement.pid, gen=1)
+    ctx = make_ctx(tmp_path)
+    assert inj.ready(ctx)
+    record = inj.inject(ctx)
+    assert record.fault == "kill_during_recovery" and record.pids == [w0.pid]
+    assert w0.wait(timeout=5) == -9
+    ev.add("trainer/rank1", "trainer.step", replacement.pid, step=2, loss=0.1, step_time=0.1)
+    assert not injector("kill_during_recovery", "node1").ready(make_ctx(tmp_path))  # re-formed
+
+
+@pytest.fixture
+def etcd3(tmp_path):
+    from elastic.control.etcd_cluster import EtcdCluster
+
+    cluster = EtcdCluster(tmp_path / "etcd3", members=3)
+    cluster.start()
+    yield cluster
+    for member in cluster.members:
+        member.resume()
+    cluster.close()
+
+
+def test_etcd_member_stop_stops_the_leader_and_the_other_two_serve(tmp_path, etcd3, etcd_server):
+    from elastic.control.store import EtcdStore
+
+    Events(tmp_path).add("launcher", "launcher.etcd_started", 1, etcd_pid=etcd3.pids[0], etcd_pids=etcd3.pids,
+                         endpoint=etcd3.endpoints)
+    leader = etcd3.leader_index()
+    stop = injector("etcd_member_stop", "etcd", duration_s=1.5)
+    record = stop.inject(make_ctx(tmp_path))
+    pid = etcd3.pids[leader]
+    try:
+        assert record.pids == [pid] and record.detail["member"] == leader and record.detail["leader"]
+        assert wait_until(lambda: proc_state(pid) == "T", 1.0)
+        store = EtcdStore(etcd3.endpoints, request_timeout=1.0, retry_deadline=10.0)
+        store.put("/chaos/member", "written while one member is stopped")  # two members keep a quorum
+        assert wait_until(lambda: proc_state(pid) != "T", 5)
+    finally:
+        stop.cleanup()
+    assert wait_until(lambda: etcd_healthy(etcd3.members[leader].endpoint), 10)
+    # A single-member etcd has no member to spare.
+    single = tmp_path / "single"
+    Events(single).add("launcher", "launcher.etcd_started", 1, etcd_pid=etcd_server.pid, etcd_pids=[etcd_server.pid],
+                       endpoint=etcd_server.endpoint)
+    with pytest.raises(TargetNotFound, match="3-member"):
+        injector("etcd_member_stop", "etcd").inject(make_ctx(single))
+
+
+def test_cluster_runner_member_stop_holds_its_member_through_a_whole_etcd_outage(etcd3):
+    from chaos.cluster_runner import _MemberStop, _WholeEtcd
+    from chaos.injectors import MemberStopParams
+
+    whole = _WholeEtcd(etcd3)
+    stop = _MemberStop(MemberStopParams(duration_s=5.0, member=2), whole)
+    detail = stop.begin()
+    pids = etcd3.pids
+    assert detail["member"] == 2 and wait_until(lambda: proc_state(pids[2]) == "T", 1.0)
+    whole.pause()  # an etcd_outage meanwhile: every member stops ...
+    assert wait_until(lambda: all(proc_state(p) == "T" for p in pids), 1.0)
+    whole.resume()  # ... and comes back, except the one the member stop still holds
+    assert wait_until(lambda: proc_state(pids[0]) != "T" and proc_state(pids[1]) != "T", 2.0)
+    assert proc_state(pids[2]) == "T"
+    stop.end()
+    assert wait_until(lambda: proc_state(pids[2]) != "T", 2.0)
+    assert wait_until(lambda: etcd_healthy(etcd3.members[2].endpoint), 10)
+
 # -- in-worker fault files --------------------------------------------------------------------
 def test_nan_fault_makes_the_workers_hook_return_nan_once(tmp_path):
     record = injector("nan", "rank1", step=7).inject(make_ctx(tmp_path))

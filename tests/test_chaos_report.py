@@ -10,6 +10,7 @@ import socket
 import subprocess
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -58,6 +59,83 @@ def test_soak_durations_and_per_kind_costs():
     assert kinds["kill_worker"] == {"injected": 2, "recovered": 1, "steps_lost": 2, "cost_s": 9.0,
                                     "mean_recovery_s": 8.0, "max_recovery_s": 8.0, "goodput_cost": 0.09}
     assert kinds["straggler"]["recovered"] == 1
+
+
+def test_soak_figures_mttr_goodput_after_startup_and_the_hang_verdict():
+    from chaos.cluster_runner import ClusterOutcome
+    from chaos.soak import goodput_excl_startup, hang_invariant, mttr, percentile, summary_lines
+
+    assert percentile([], 0.5) is None and percentile([4.0], 0.95) == 4.0
+    assert percentile([1.0, 2.0, 3.0, 4.0, 5.0], 0.5) == 3.0 and percentile([1.0, 2.0, 3.0, 4.0, 5.0], 0.95) == 4.8
+    metrics = [{"fault": "kill_worker", "restarted": True, "recovery_s": 2.0},
+               {"fault": "kill_agent", "restarted": True, "recovery_s": 4.0},
+               {"fault": "kill_worker", "restarted": True, "recovery_s": None},  # never recovered: no time
+               {"fault": "straggler", "restarted": False, "recovery_s": None}]  # needed no recovery
+    assert mttr(metrics) == {"p50": 3.0, "p95": 3.9, "n": 2}
+    assert mttr([]) == {"p50": None, "p95": None, "n": 0}
+    g = {"goodput": 0.5, "wall_s": 100.0, "productive_s": 50.0, "startup_s": 20.0, "recovery_s": 10.0,
+         "checkpoint_s": 5.0, "lost_s": 5.0, "other_s": 10.0}
+    assert goodput_excl_startup(g) == 0.625 and goodput_excl_startup({"goodput": None}) is None
+    assert goodput_excl_startup({**g, "startup_s": 100.0}) is None
+
+    done = ClusterOutcome(rc=0, run_dir=Path("."), wall_s=1.0, node_rcs={"node0": 0})
+    timed_out = ClusterOutcome(rc=-15, run_dir=Path("."), wall_s=1.0, node_rcs={"node0": -15}, timed_out=True)
+    lingered = ClusterOutcome(rc=0, run_dir=Path("."), wall_s=1.0, node_rcs={"node0": 0}, lingered=True)
+    assert hang_invariant(300, {"soak": done, "replay": done}).ok
+    assert hang_invariant(300, {"soak": done, "replay": None}).ok
+    hung = hang_invariant(300, {"soak": timed_out, "replay": None})
+    assert not hung.ok and hung.name == "no_hang" and "soak: still running after 300s" in hung.detail
+    assert "a launcher was still running" in hang_invariant(300, {"soak": done, "replay": lingered}).detail
+
+    report = {"goodput": g, "goodput_excl_startup": 0.625, "mttr_s": {"p50": 3.0, "p95": 3.9, "n": 2},
+              "hung": True, "injected": 2, "recovered": 2, "planned": 2, "requeues": 0, "etcd_members": 3,
+              "per_kind": {}, "not_drawn": ["nan"], "broken": [hung.to_json()]}
+    text = "\n".join(summary_lines(report))
+    assert "goodput_excl_startup 0.625" in text and "mttr_s p50 3s p95 3.9s over 2 faults" in text
+    assert "hung: YES" in text and "etcd members 3" in text and "not drawn this time: nan" in text
+    assert "BROKEN: no_hang: HUNG: soak: still running after 300s" in text
+
+
+def test_soak_html_shows_the_hang_and_the_figures(tmp_path):
+    from chaos.soak import hang_invariant
+
+    hung = hang_invariant(300, {"soak": _outcome(timed_out=True)}).to_json()
+    report = {"ok": False, "broken": [hung], "job": "tiny.yaml", "nodes": 4, "steps": 900, "injected": 1,
+              "recovered": 1, "planned": 1, "mtbf_s": 60.0, "seed": 1, "duration_s": 180.0, "requeues": 0,
+              "skipped_batches": [], "replay_checksum": None, "etcd_members": 3, "hung": True,
+              "goodput_excl_startup": 0.953, "mttr_s": {"p50": 1.25, "p95": 2.5, "n": 3},
+              "goodput": {"goodput": 0.5, "wall_s": 100.0, "productive_s": 50.0, "startup_s": 10.0,
+                          "recovery_s": 20.0, "checkpoint_s": 5.0, "lost_s": 5.0, "other_s": 10.0},
+              "per_kind": {}, "soak": {"result": {"faults": [], "invariants": [hung]}}}
+    text = write_soak_html(report, tmp_path / "soak.html", None).read_text()
+    assert "BROKEN: no_hang" in text and "YES: the run did not end on its own" in text
+    assert "0.953" in text and "p50 1.25 s, p95 2.50 s over 3 faults" in text
+
+
+def _outcome(**kw):
+    from chaos.cluster_runner import ClusterOutcome
+
+    return ClusterOutcome(rc=-15, run_dir=Path("."), wall_s=1.0, node_rcs={"node0": -15}, **kw)
+
+
+def test_a_fault_that_restarts_nothing_does_not_own_a_later_kills_recovery():
+    from chaos.analysis import fault_metrics
+
+    events = [{"ts": 1.0, "source": "trainer/rank0", "kind": "trainer.start", "pid": 10, "step": 0}]
+    events += [{**e, "pid": 10} for e in _steps(1.0, range(1, 11))]  # steps 1..10 end at 2..11
+    events += [{"ts": 13.0, "source": "trainer/rank0", "kind": "trainer.start", "pid": 11, "step": 10},
+               {"ts": 14.0, "source": "trainer/rank0", "kind": "trainer.step", "pid": 11, "step": 11,
+                "step_time": 1.0}]
+    spare = {"ts": 3.5, "fault": "kill_spare", "target": "node1", "pids": [99], "injected_ts": 3.5}
+    kill = {"ts": 11.5, "fault": "kill_worker", "target": "node1", "pids": [10], "injected_ts": 11.5}
+    second = {"ts": 12.0, "fault": "kill_during_recovery", "target": "node0", "pids": [12], "injected_ts": 12.0}
+    m_spare = fault_metrics(events, spare, None, 11.5)
+    assert not m_spare["restarted"] and m_spare["recovery_s"] is None  # the restart at 13 is the kill's
+    m_kill = fault_metrics(events, kill, 3.5, 12.0)
+    assert m_kill["restarted"] and m_kill["recovery_s"] == 2.5  # a kill's recovery may outlast the next fault
+    assert fault_metrics(events, second, 11.5, None)["during_recovery"]  # the replacement had not stepped
+    late = {**second, "ts": 14.5, "injected_ts": 14.5}
+    assert not fault_metrics(events, late, 11.5, None)["during_recovery"]  # it had: the run re-formed
 
 
 def _echo_server() -> tuple[socket.socket, threading.Thread]:
