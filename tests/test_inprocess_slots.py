@@ -222,3 +222,18 @@ def test_a_loss_needs_a_refusal_a_gone_record_or_three_timeouts(slots):
         server.bind(("127.0.0.1", 0))
         server.listen(1)
         assert workers._unreachable("node2", {"memstate": {"addr": "127.0.0.1:%d" % server.getsockname()[1]}}, {}) == ""
+
+
+def test_a_spare_joins_the_generation_its_peers_form_without_the_dead_worker(slots):
+    workers, children, _, _ = slots
+    gens = workers.gens
+    proc = _hold(workers, children, 0, "import time; time.sleep(30)")
+    workers.observe({"type": "step", "local_rank": 0, "pid": proc.pid, "step": 5, "gen": 0})
+    assert workers._join_gen(0) == 1  # it trained in generation 0: that one ended with it
+    gens.join(1, Slot("node1", 0))
+    gens.store.put(gens.keys.gen_plan(0, 1), "{}")
+    assert workers._join_gen(0) == 1  # generation 1 formed (or forms) while it died: its peers wait there
+    workers.observe({"type": "recovered", "local_rank": 0, "pid": proc.pid, "step": 5, "gen": 1})
+    assert workers._join_gen(0) == 2  # it had trained in generation 1: the next one
+    workers.observe({"type": "recovered", "local_rank": 0, "pid": proc.pid + 100000, "step": 5, "gen": 3})
+    assert workers._join_gen(0) == 2  # another process's report says nothing about the slot

@@ -186,6 +186,7 @@ class InProcessWorkers:
         self.detached = False
         self.gen = 0
         self.step = 0  # the newest step a slot's worker reported (where a fault hits)
+        self.slot_gen: dict[int, int] = {}  # local rank -> the generation its process last trained in
         self.spare: subprocess.Popen[bytes] | None = None
         self.spare_deaths: list[float] = []  # when spares died unassigned (a node that keeps killing them)
         self.worker_env: WorkerEnv | None = None
@@ -206,6 +207,7 @@ class InProcessWorkers:
                 return  # a process that no longer holds the slot (its late reports)
             self.gen = max(self.gen, int(report.get("gen", 0)))
             self.step = max(self.step, int(report.get("step", 0)))
+            self.slot_gen[int(local)] = int(report.get("gen", 0))
         elif kind == "done" and local is not None and self.pids.get(int(local)) == pid:
             self.done[int(local)] = pid
         elif kind == "fault":
@@ -215,6 +217,8 @@ class InProcessWorkers:
             self._probe_later(gen)
         elif kind == "recovered":
             self.gen = max(self.gen, int(report.get("gen", 0)))
+            if local is not None and self.pids.get(int(local)) == pid:
+                self.slot_gen[int(local)] = int(report.get("gen", 0))
             if self.detached and self.spare is None and self.config.spare:
                 self._new_spare()
 
@@ -321,7 +325,7 @@ class InProcessWorkers:
         a replacement that failed never passes for a recovery)."""
         assert self.spare is not None and self.worker_env is not None and self._attempt is not None
         spare, self.spare = self.spare, None
-        gen = self.gen + 1
+        gen = self._join_gen(local)
         env = {**self.worker_env.to_env(), "ELASTIC_JOIN_GEN": str(gen), "LOCAL_RANK": str(local), "ELASTIC_SCREEN": "",
                "TORCHELASTIC_ERROR_FILE": str(self._attempt.dir / f"error-spare-{spare.pid}.json")}
         try:
@@ -338,6 +342,19 @@ class InProcessWorkers:
         self.on_replace()
         self.events.emit("agent.inprocess_replace", local_rank=local, spare_pid=spare.pid, gen=gen, detail=detail)
         return True
+
+    def _join_gen(self, local: int) -> int:
+        """The generation the spare joins: the one the dead worker's peers form without it.  A
+        generation newer than the last one the dead worker trained in was forming when it died (its
+        peers wait for its slot there, even in a closed round that named it); the one it trained in
+        ended with it.  The agent's own count alone once sent a spare to a generation its peers had
+        already left, when a second kill came 0.6 s into a recovery (a 13 s hang, then a restart)."""
+        trained = self.slot_gen.get(local, 0)
+        try:
+            newest = self.gens.newest(trained)
+        except StoreError:
+            return max(self.gen, trained) + 1
+        return newest if newest > trained else trained + 1
 
     # -- lost nodes ---------------------------------------------------------------------------------------
     def _probe_later(self, gen: int) -> None:

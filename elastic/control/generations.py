@@ -137,6 +137,14 @@ class Generations:
                 plan = Plan.from_record(decode(kv) or {})
         return joined, lost, plan, revision
 
+    def newest(self, since: int) -> int:
+        """The newest generation of this epoch that has any record, from ``since`` on (one count
+        request per generation: a replacement looks a generation or two ahead)."""
+        gen = since
+        while self.store.count_prefix(self.keys.generation(self.epoch, gen + 1)):
+            gen += 1
+        return gen
+
     def progress(self, gen: int) -> tuple[set[Slot], Plan | None]:
         """The slots that joined generation ``gen`` so far, and its plan once it has one."""
         joined, _, plan, _ = self._read(gen)
