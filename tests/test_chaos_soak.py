@@ -3,7 +3,8 @@
 The short soak (slow tier, about a minute and a half here) fires faults for 25 s at a 2-node run of
 ``examples/tiny.yaml``: it must recover from every one, end bitwise equal to a fault-free replay
 that skips the same batches, and its goodput parts must add up to its wall time.  The 10-minute,
-4-node soak the README shows an operator is the ``soak``-marked test (``pytest -m soak``).
+4-node soak the README's test tiers name and docs/chaos.md shows an operator is the ``soak``-marked
+test (``pytest -m soak``).
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ def test_short_soak_recovers_every_fault_and_accounts_goodput(tmp_path, subproce
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
 def test_ten_minute_soak_on_four_nodes(tmp_path, subprocess_env):
-    """What the README shows: 4 nodes, the DiT tiny job, faults every ~60 s for 10 minutes."""
+    """What the docs show (docs/chaos.md): 4 nodes, the DiT tiny job, faults every ~60 s for 10 minutes."""
     out = tmp_path / "soak"
     proc = _soak(out, subprocess_env, "--duration", "10m", "--mtbf", "60s", timeout=3500)
     report = _check_report(out, proc)

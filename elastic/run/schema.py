@@ -196,7 +196,7 @@ class RunConfig:
         A dead group must drop out of the quorum before the survivors' quorum call gives up; a
         group waiting in the cross-group allreduce must outwait a peer still in its quorum; and a
         survivor blocked in that allreduce behind a hung peer must time out and report a step
-        before its own agent calls it hung (README, "Replica groups for the DiT trainer")."""
+        before its own agent calls it hung (docs/architecture.md, "Replica groups for the DiT trainer")."""
         rungs = [("replicas.heartbeat_timeout_ms", self.replicas.heartbeat_timeout_ms / 1000.0),
                  ("replicas.quorum_timeout_s", self.replicas.quorum_timeout_s),
                  ("replicas.timeout_s", self.replicas.timeout_s),
