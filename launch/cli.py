@@ -19,7 +19,7 @@ from elastic.common.cli_errors import OneLineArgumentParser
 from elastic.common.config import ConfigError, override
 from elastic.control.store import StoreError
 from elastic.run.schema import RunConfig, load_run_file
-from launch.security import add_security_flags, apply_security_flags, prepare_etcd_access
+from launch.security import SECURITY_FLAGS, add_security_flags, apply_security_flags, prepare_etcd_access
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -55,6 +55,15 @@ _FLAG_FIELDS = {
     "max_restarts": "agent.max_restarts",
     "steps": "trainer.steps",
 }
+_ALLOW_CHAOS_FIELD = "agent.chaos.enabled"
+
+
+def field_flags() -> dict[str, str]:
+    """Dotted config field -> the flag that sets it (the config reference, launch/config_docs.py, lists them)."""
+    flags = {dotted: f"--{attr.replace('_', '-')}" for attr, dotted in _FLAG_FIELDS.items()}
+    flags.update({dotted: flag for flag, dotted in SECURITY_FLAGS.items()})
+    flags[_ALLOW_CHAOS_FIELD] = "--allow-chaos"
+    return flags
 
 
 def resolve_config(args: argparse.Namespace) -> RunConfig:
@@ -68,7 +77,7 @@ def resolve_config(args: argparse.Namespace) -> RunConfig:
                 raise ConfigError(f"--{attr.replace('_', '-')}", exc.message) from None
     cfg = apply_security_flags(cfg, args)
     if args.allow_chaos:
-        cfg = override(cfg, "agent.chaos.enabled", True)
+        cfg = override(cfg, _ALLOW_CHAOS_FIELD, True)
     for item in args.set:
         key, sep, raw = item.partition("=")
         if not sep or not key:

@@ -7,7 +7,7 @@ kill_worker, nan and the three that hung runs in issue 26 -- a warm spare killed
 worker), a worker killed while the run re-forms after another kill, an etcd member stopped for 10 s.
 No run may hang, every fault must be recovered from, the weights must equal the replay's bitwise,
 and the report must carry goodput (excluding startup too) and p50/p95 recovery times.  The
-10-minute, 4-node soak the README shows an operator is the ``soak``-marked test (``pytest -m soak``).
+10-minute, 4-node soak that docs/chaos.md shows an operator is the ``soak``-marked test (``pytest -m soak``).
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def test_three_minute_soak_with_a_spare_kill_a_kill_mid_recovery_and_an_etcd_mem
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
 def test_ten_minute_soak_on_four_nodes(tmp_path, subprocess_env):
-    """What the README shows: 4 nodes, the DiT tiny job, faults every ~60 s for 10 minutes."""
+    """What the docs show (docs/chaos.md): 4 nodes, the DiT tiny job, faults every ~60 s for 10 minutes."""
     out = tmp_path / "soak"
     proc = _soak(out, subprocess_env, "--nodes", "4", "--duration", "10m", "--mtbf", "60s", timeout=3500)
     report = _check_report(out, proc)

@@ -79,4 +79,4 @@ def test_interval_zero_is_documented_as_final_checkpoint_only():
     source = (REPO / "elastic" / "checkpoint" / "config.py").read_text()
     doc = source.split("interval_steps: int", 1)[1].split('"""')[1]
     assert "only the final checkpoint" in doc
-    assert "checkpoint.interval_steps: 0" in (REPO / "README.md").read_text()
+    assert "checkpoint.interval_steps: 0" in (REPO / "docs" / "operations.md").read_text()

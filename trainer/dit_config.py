@@ -42,17 +42,24 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 @dataclass(kw_only=True)
 class ModelConfig:
+    """The DiT's shape: a preset or explicit sizes."""
+
     preset: str = "tiny"
     """One of MODEL_PRESETS ("tiny", "S", "B", "L", "XL") or "" for fully explicit sizes."""
     input_size: int = 8
     """Latent height = width."""
     in_channels: int = 4
+    """Channels of a latent (3 for ``data.kind: image_folder``, pixel space)."""
     patch_size: int = 2
+    """Side of a square patch: ``(input_size / patch_size)^2`` tokens per image."""
     hidden_dim: int | None = None
     """Overrides the preset's width when set."""
     depth: int | None = None
+    """Overrides the preset's number of DiT blocks when set."""
     num_heads: int | None = None
+    """Overrides the preset's attention heads when set (``parallel.cp`` must divide it)."""
     mlp_ratio: float = 4.0
+    """Width of a block's MLP as a multiple of hidden_dim."""
     num_classes: int = 10
     """Class-label conditioning; 0 disables it. Label ``num_classes`` is the null (CFG) class."""
     class_dropout_prob: float = 0.1
@@ -103,9 +110,12 @@ class ModelConfig:
 
 @dataclass(kw_only=True)
 class FlowConfig:
+    """Flow matching: training timestep sampling and the Euler sampler of ``trainer.sample``."""
+
     t_logit_mean: float = 0.0
     """Timesteps are sigmoid(N(mean, std)) (logit-normal)."""
     t_logit_std: float = 1.0
+    """Standard deviation of that normal."""
     sample_steps: int = 16
     """Euler steps of trainer.sample."""
     cfg_scale: float = 1.0
@@ -122,16 +132,22 @@ class FlowConfig:
 
 @dataclass(kw_only=True)
 class DataConfig:
+    """The dataset; the data order is the resumable global sampler's (trainer/data.py)."""
+
     kind: Literal["synthetic", "safetensors", "image_folder"] = "synthetic"
+    """synthetic: class-conditional patterns made from (seed, index), nothing stored; safetensors:
+    pre-computed latents in shards; image_folder: pixel-space images (see ``path``)."""
     num_samples: int = 512
     """Size of the synthetic dataset (ignored for safetensors)."""
     path: str = ""
     """safetensors: a shard file, a directory of ``*.safetensors`` shards, or a glob;
     image_folder: a directory ``root/<class>/<image>`` (pixel space, model.in_channels = 3)."""
     latents_key: str = "latents"
+    """safetensors: name of the [N, C, H, W] latents tensor in each shard."""
     labels_key: str = "labels"
     """Optional int64 [N] tensor in each shard; missing -> all labels 0."""
     shuffle: bool = True
+    """A seeded permutation of the dataset per epoch; false: index order."""
 
     def __post_init__(self) -> None:
         if self.num_samples < 1:
@@ -142,6 +158,8 @@ class DataConfig:
 
 @dataclass(kw_only=True)
 class ParallelConfig:
+    """How the ranks split the work: FSDP2 over dp, Ulysses context parallel over cp."""
+
     dp: int = 0
     """Data-parallel degree; 0 = world_size / cp."""
     cp: int = 1
@@ -164,7 +182,10 @@ class ParallelConfig:
 
 @dataclass(kw_only=True)
 class FP8Config:
+    """FP8 linears (a config converter over module names; CPU runs emulate them)."""
+
     enabled: bool = False
+    """Convert the matching linears to FP8 (hidden_dim and the MLP width must be divisible by 16)."""
     recipe: Literal["tensorwise", "rowwise"] = "tensorwise"
     """Scaling granularity: one scale per tensor, or per row of the input and per output row of the weight."""
     include: list[str] = field(default_factory=lambda: ["blocks.*"])
@@ -181,6 +202,8 @@ class FP8Config:
 
 @dataclass(kw_only=True)
 class NumericsConfig:
+    """The NaN/Inf and loss-spike guard of every step."""
+
     action: Literal["skip", "rollback"] = "skip"
     """skip: drop the step (no optimizer update); rollback: report and exit with EXIT_NUMERICS."""
     spike_window: int = 64
@@ -209,11 +232,18 @@ class NumericsConfig:
 
 @dataclass(kw_only=True)
 class OptimConfig:
+    """AdamW with a linear warmup, then a constant learning rate."""
+
     lr: float = 1e-3
+    """Learning rate after warmup."""
     weight_decay: float = 0.0
+    """AdamW weight decay."""
     beta1: float = 0.9
+    """AdamW beta1."""
     beta2: float = 0.999
+    """AdamW beta2."""
     eps: float = 1e-8
+    """AdamW epsilon."""
     warmup_steps: int = 0
     """Linear learning-rate warmup from 0."""
     grad_clip: float = 1.0
@@ -246,6 +276,7 @@ class DiTTrainerConfig:
     steps: int = 40
     """Optimizer steps to train in total (across restarts)."""
     seed: int = 0
+    """Seeds the model init, the data (synthetic samples, the sampler's permutation) and the per-sample noise."""
     global_batch_size: int = 8
     """Samples per step over all data-parallel ranks (fixed across dp changes, so a resume at
     another world size consumes the same samples per step)."""

@@ -13,7 +13,7 @@ averaged across the participating groups with ``Manager.allreduce``; the wrapped
 optimizer steps only if every group of the quorum votes to commit.  A group whose
 peer died mid-step throws that one step away and goes on with a smaller quorum.
 
-torchft 0.2.0 specifics (see README): ``use_async_quorum=False`` (async quorum races
+torchft 0.2.0 specifics (see docs/architecture.md): ``use_async_quorum=False`` (async quorum races
 FSDP2 state reads during recovery), and no torchft DDP (its comm hook crashes the
 *survivor* when a peer dies inside the allreduce): the gradients go through one
 flat ``manager.allreduce`` per step, or FSDP2's ``set_all_reduce_hook``.

@@ -16,11 +16,15 @@ class MLPTrainerConfig:
     steps: int = 40
     """Optimizer steps to train in total (across restarts)."""
     seed: int = 0
+    """Seeds the model init and every batch (a batch is made from seed, step and rank alone)."""
     batch_size: int = 16
     """Per-rank batch size."""
     dim: int = 32
+    """Width of every layer (input, hidden and output)."""
     depth: int = 3
+    """Linear layers (GELU between them)."""
     lr: float = 1e-2
+    """AdamW learning rate."""
     step_sleep: float = 0.0
     """Extra seconds per step, so that faults can land mid-run in tests and demos."""
 

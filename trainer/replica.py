@@ -1,7 +1,7 @@
 """torchft pieces shared by the replica-group trainers (:mod:`trainer.ft_train`, :mod:`trainer.dit_ft_train`).
 
 * :func:`build_manager`: the torchft ``Manager`` of this replica group, from the run config's
-  ``replicas`` section (torchft 0.2.0 settings, see the README's replica-group section);
+  ``replicas`` section (torchft 0.2.0 settings, see docs/architecture.md, replica-group mode);
 * :func:`flat_allreduce`: average tensors across the quorum in one collective (torchft 0.2.0's DDP
   comm hook crashes the *survivor* when a peer dies inside the allreduce, so no torchft DDP);
 * :func:`install_fsdp_hook`: the same average for FSDP2 shards, once per step after the

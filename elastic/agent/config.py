@@ -35,6 +35,8 @@ _UNCOUNTED = ("peer_lost", "stall", "recovery_failed")
 
 @dataclass(kw_only=True)
 class HeartbeatConfig:
+    """The agent's hang detection: how long its workers may stay silent (no step report)."""
+
     init_timeout_s: float = 300.0
     """Silence allowed from torchrun start to the first step report (rendezvous, imports, load)."""
     step_timeout_s: float = 30.0
@@ -58,8 +60,11 @@ class HeartbeatConfig:
 
 @dataclass(kw_only=True)
 class FailurePolicy:
+    """What the agent does per failure class, and the guards that stop a run that does not progress."""
+
     actions: dict[str, Action] = field(default_factory=dict)
-    """Per failure class: restart | rescreen | exclude | stop | rollback (defaults in DEFAULT_ACTIONS)."""
+    """Per failure class: restart | rescreen | exclude | stop | rollback.  A class not listed keeps its
+    default (``DEFAULT_ACTIONS`` in elastic/agent/config.py; the failure table of docs/operations.md)."""
     max_rollbacks: int = 3
     """NaN / loss-spike rollbacks allowed per run before the agent stops with a report."""
     skip_before: int = 0
@@ -128,9 +133,12 @@ class InProcessConfig:
 
 @dataclass(kw_only=True)
 class PreflightConfig:
+    """The node's pre-flight screen (``diag burnin``): before it trains, and after a rescreen failure."""
+
     enabled: bool = True
     """Screen the node with ``diag burnin`` before it joins and after a failure whose action is rescreen."""
     mode: Literal["quick", "full"] = "quick"
+    """``diag burnin --quick`` (seconds) or ``--full`` (a minutes-long burn-in)."""
     checks: list[str] = field(default_factory=list)
     """Checks to run (empty: every check of the mode)."""
     thresholds: str = ""
@@ -165,11 +173,15 @@ class ChaosConfig:
 
 @dataclass(kw_only=True)
 class AgentConfig:
+    """The ``agent:`` section: the node agent that supervises its torchrun and workers."""
+
     max_restarts: int = 3
     """torchrun relaunches after failures of this node before the agent gives up."""
     term_grace_s: float = 5.0
     """Seconds between SIGTERM and SIGKILL when stopping workers."""
     monitor_interval_s: float = 0.1
+    """Longest sleep of the agent's supervision loop between checks of its workers (exits, silence,
+    screen result); a worker's report wakes it at once."""
     epoch_poll_s: float = 0.25
     """How often the run's restart epoch is read from etcd."""
     lease_ttl_s: int = 10
@@ -206,12 +218,25 @@ class AgentConfig:
 
 @dataclass(kw_only=True)
 class RendezvousConfig:
+    """The ``rendezvous:`` section: the etcd keys of the run and torchrun's rendezvous timings
+    (passed to the ``etcd3`` handler as ``--rdzv-conf``; whole seconds, as torch parses them)."""
+
     key_prefix: str = DEFAULT_KEY_PREFIX
+    """Root of every etcd key of the run (``<key_prefix>/runs/<run.id>/...``); ``elastic status --key-prefix``."""
     join_timeout_s: int = 300
+    """A rendezvous that has not formed by then fails (failure class ``rendezvous_timeout``, whose default
+    action is stop): the reason names the lost node, its step, the nodes the run needs and this wait."""
     last_call_timeout_s: int = 1
+    """Once ``launch.nodes``' minimum has joined, how long the round waits for more before it closes (it
+    closes at once when every live node of the previous round is back, or the maximum joined)."""
     close_timeout_s: int = 10
+    """torch's ``close_timeout``: accepted for torch's contract; closing a round is one write in ``etcd3``."""
     heartbeat_timeout_s: int = 5
+    """torch's ``heartbeat_timeout``: used by the ``etcd3-state`` handler (a participant silent this long
+    is dropped); ``etcd3`` accepts it, its liveness is the node's lease (``keep_alive_interval_s``)."""
     keep_alive_interval_s: int = 1
+    """How often a node refreshes its rendezvous lease; the lease lasts three intervals, so a dead node
+    drops out of the round after about that long."""
 
     def __post_init__(self) -> None:
         if not self.key_prefix.startswith("/"):

@@ -45,6 +45,8 @@ _STATES = ("INIT", "SCREENING", "REGISTERED", "RUNNING", "FAILED", "SUCCEEDED", 
 
 @dataclass(kw_only=True)
 class MetricsConfig:
+    """The agent's Prometheus endpoint (one registry per agent)."""
+
     enabled: bool = True
     """Serve the agent's Prometheus metrics over HTTP."""
     host: str = "127.0.0.1"

@@ -30,6 +30,8 @@ class MemoryCacheConfig:
 
 @dataclass(kw_only=True)
 class CheckpointConfig:
+    """The ``checkpoint:`` section: committed DCP checkpoints on disk and what to do when saves fail."""
+
     dir: str = "checkpoints"
     """Checkpoint root; relative paths are resolved against the run directory."""
     interval_steps: int = 10

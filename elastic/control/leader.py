@@ -42,6 +42,8 @@ from elastic.control.store import KVStore, LeaseExpired, StoreError
 
 @dataclass(kw_only=True)
 class LeaderConfig:
+    """The leader agent's cluster policy: stragglers, lemon nodes (``agent.leader``)."""
+
     ttl_s: int = 3
     """Lease TTL of the leader key: a dead leader is replaced within about this long."""
     interval_s: float = 1.0
@@ -53,10 +55,14 @@ class LeaderConfig:
     straggler_evaluations: int = 3
     """Consecutive slow evaluations before a node counts as a straggler."""
     straggler_action: Literal["flag", "exclude"] = "flag"
+    """flag: a ``leader.straggler`` event only; exclude: also exclude the node (``exclusion_ttl_s``), so an
+    elastic run re-forms without it."""
     lemon_failures: int = 3
     """Counted failures of one node within lemon_window_s that exclude it; 0 disables."""
     lemon_window_s: float = 600.0
+    """Window over which a node's counted failures are added up for ``lemon_failures``."""
     exclusion_ttl_s: float = 3600.0
+    """Expiry of an exclusion by the leader (straggler or lemon node); the node may then come back."""
 
     def __post_init__(self) -> None:
         if self.ttl_s < 2:

@@ -19,6 +19,8 @@ from elastic.common.config import ConfigError
 
 @dataclass(kw_only=True)
 class ReplicaConfig:
+    """The ``replicas:`` section: torchft replica-group mode (one group per node, a Lighthouse)."""
+
     enabled: bool = False
     """Run each node as a torchft replica group instead of one run-wide torchrun."""
     min_replicas: int = 1

@@ -64,6 +64,8 @@ def parse_nodes(text: str) -> tuple[int, int]:
 
 @dataclass(kw_only=True)
 class RunSection:
+    """The ``run:`` section: which run this is and where its files go."""
+
     id: str = "local"
     """Run id: names the run's keys in etcd and the rendezvous."""
     dir: str = ""
@@ -78,9 +80,13 @@ class RunSection:
 
 @dataclass(kw_only=True)
 class LaunchConfig:
+    """The ``launch:`` section: how many nodes, where etcd is, what the workers run."""
+
     nodes: str = "1"
     """Number of nodes, "N" or elastic "MIN:MAX"."""
     nproc_per_node: int = 1
+    """Workers per node (torchrun --nproc-per-node); with in-process recovery each node also keeps one
+    warm spare (``agent.inprocess.spare``)."""
     etcd_endpoint: str | None = None
     """host:port of the run's etcd (host:port,host:port,... for every member of a cluster);
     empty -> local mode with an embedded etcd."""
@@ -190,7 +196,7 @@ class RunConfig:
         A dead group must drop out of the quorum before the survivors' quorum call gives up; a
         group waiting in the cross-group allreduce must outwait a peer still in its quorum; and a
         survivor blocked in that allreduce behind a hung peer must time out and report a step
-        before its own agent calls it hung (README, "Replica groups for the DiT trainer")."""
+        before its own agent calls it hung (docs/architecture.md, "Replica groups for the DiT trainer")."""
         rungs = [("replicas.heartbeat_timeout_ms", self.replicas.heartbeat_timeout_ms / 1000.0),
                  ("replicas.quorum_timeout_s", self.replicas.quorum_timeout_s),
                  ("replicas.timeout_s", self.replicas.timeout_s),

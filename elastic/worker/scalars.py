@@ -23,6 +23,8 @@ from elastic.common.env import EPOCH_ENV
 
 @dataclass(kw_only=True)
 class TensorBoardConfig:
+    """The ``tensorboard:`` section: trainer scalars (loss, grad norm, step time, lr, FP8 amax) from rank 0."""
+
     enabled: bool = False
     """Write TensorBoard event files from rank 0 (needs the ``tensorboard`` package)."""
     dir: str = "tensorboard"
