@@ -68,17 +68,18 @@ def test_a_lease_outlives_a_stalled_member_as_long_as_its_ttl(cluster):
     from elastic.control.lease import LeaseKeeper
 
     leader, endpoints = leader_first(cluster)
-    store = EtcdStore(endpoints)  # the agent's settings: 5 s per request
-    keeper = LeaseKeeper(store, 4)
+    store = EtcdStore(endpoints)  # the agent's settings: 5 s per request, a 10 s lease
+    keeper = LeaseKeeper(store, 10)
     store.put("/node", "alive", lease=keeper.lease_id)
     pid = cluster.pids[leader]
     os.kill(pid, signal.SIGSTOP)
     try:
-        time.sleep(6.0)
+        time.sleep(11.0)
     finally:
         os.kill(pid, signal.SIGCONT)
+    node = store.get("/node")
+    assert node is not None and node.value == b"alive"  # the record never expired
     assert not keeper.lost.is_set()
-    assert store.get("/node").value == b"alive"
     keeper.close()
 
 
