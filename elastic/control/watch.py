@@ -93,6 +93,9 @@ class WatchStream:
     def _stream(self, index: int) -> None:
         session, base = self._store.session_for(index)
         self._store.requests_sent += 1
+        meter = self._store.meter
+        if meter is not None:
+            meter.watch()
         body = {"create_request": {**self._body, "start_revision": self.next_revision}}
         timeout = (self._store.request_timeout, self._idle_s)
         with session.post(base + "/watch", json=body, stream=True, timeout=timeout) as resp:
@@ -103,6 +106,8 @@ class WatchStream:
             for chunk in resp.iter_content(chunk_size=None):
                 if self._stop.is_set():
                     return
+                if meter is not None:
+                    meter.read(len(chunk))
                 buffer += chunk
                 while b"\n" in buffer:
                     line, buffer = buffer.split(b"\n", 1)

@@ -197,11 +197,7 @@ class InProcess:
             self.events.emit("recovery.severed", connections=shut, gen=self.gen)
             dist.destroy_process_group()
         clock.lap("teardown_s")
-        target = self.gen + (0 if self.joining and self.plan is None else 1)
-        newest = self.ring.newest()
-        self.gens.join(target, self.slot, pid=os.getpid(), old_rank=self.rank,
-                       snapshot_step=newest.step if newest else None)
-        plan = self.gens.wait_plan(target, self._previous(target, previous), self.join_timeout_s)
+        plan = self.next_plan(previous)
         clock.lap("generation_s")
         nodes = len({m.slot.node for m in plan.members})
         if nodes < min_nodes:
@@ -211,6 +207,16 @@ class InProcess:
         clock.lap("process_group_s")
         self.gen, self.plan, self.phases = plan.gen, plan, clock.laps
         return plan
+
+    def next_plan(self, previous: dict[Slot, int]) -> Plan:
+        """The control-plane part of a re-formation: join the next generation and wait for its plan
+        (``previous``: the slot -> rank map of the generation this worker leaves).  No process group
+        is touched, so ``benchmarks/control_plane.py`` drives it for thousands of simulated ranks."""
+        target = self.gen + (0 if self.joining and self.plan is None else 1)
+        newest = self.ring.newest()
+        self.gens.join(target, self.slot, pid=os.getpid(), old_rank=self.rank,
+                       snapshot_step=newest.step if newest else None)
+        return self.gens.wait_plan(target, self._previous(target, previous), self.join_timeout_s)
 
     def _keep_ports(self) -> set[int]:
         """The etcd and memory-store ports: the connections recovery itself needs."""

@@ -1,0 +1,335 @@
+"""Simulated nodes for ``benchmarks/control_plane.py``: the real agent and worker code, no training.
+
+One process hosts a slice of a run's nodes.  A node is its agent -- a real
+:class:`~elastic.agent.supervise.Supervisor` with real :class:`~elastic.agent.inprocess.InProcessWorkers`,
+fed the reports its workers would send -- and its ranks, real
+:class:`~elastic.worker.inprocess.InProcess` objects, each a thread at a fault.  What is simulated:
+the processes (no torch process group, no training), the collective error that tells a rank its
+peer is gone (every surviving rank starts its re-formation at the fault's time), the warm spare
+(a new ``InProcess`` that joins the next generation for the dead slot) and the agent's snapshot
+store (a stub listing the snapshots it would hold, for the restore's lost-node lookups; and a
+listening socket per node that the agents' probes connect to, closed when the node is lost).
+Every store of a node shares one :class:`~elastic.control.store.StoreMeter`: figures are per node.
+
+Driven over stdin by the parent (``python benchmarks/cp_sim.py --child ...``)::
+
+    ROUND worker_loss <t0> <node index> <local rank>   ->  RESULTS {...}
+    ROUND node_loss <t0> <node index>                  ->  RESULTS {...}
+    IDLE <t0> <warm-up s> <seconds>                    ->  RESULTS {...}
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import selectors
+import socket
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from elastic.agent.attempt import NodeSpec  # noqa: E402
+from elastic.agent.config import AgentConfig, InProcessConfig  # noqa: E402
+from elastic.agent.inprocess import InProcessWorkers  # noqa: E402
+from elastic.agent.records import NodeRecords  # noqa: E402
+from elastic.agent.scopes import RunScope  # noqa: E402
+from elastic.agent.supervise import Supervisor  # noqa: E402
+from elastic.checkpoint.memstate import SnapMeta  # noqa: E402
+from elastic.common.env import WorkerEnv  # noqa: E402
+from elastic.common.events import EventLog  # noqa: E402
+from elastic.control.keys import RunKeys  # noqa: E402
+from elastic.control.runstate import RunState  # noqa: E402
+from elastic.control.store import EtcdStore, StoreMeter  # noqa: E402
+from elastic.worker.inprocess import InProcess  # noqa: E402
+
+STEP = 10
+"""The step every rank stands at when a fault hits (snapshots of STEP-1 and STEP are held)."""
+
+
+def node_name(index: int) -> str:
+    return f"n{index:04d}"
+
+
+class SnapshotList:
+    """Stand-in for the agent's memory-store client: only the list of snapshots it holds."""
+
+    def __init__(self, metas: list[SnapMeta]) -> None:
+        self.metas = metas
+
+    def snap_list(self) -> list[SnapMeta]:
+        return list(self.metas)
+
+
+class Listeners:
+    """One listening socket per hosted node (where its agent's snapshot store would be): a probe's
+    connect succeeds while the node lives and is refused once :meth:`close` took the socket away.
+    One thread accepts and drops every connection."""
+
+    def __init__(self, count: int) -> None:
+        self._selector = selectors.DefaultSelector()
+        self.socks: list[socket.socket | None] = []
+        for _ in range(count):
+            sock = socket.socket()
+            sock.bind(("127.0.0.1", 0))
+            sock.listen(4096)
+            sock.setblocking(False)
+            self._selector.register(sock, selectors.EVENT_READ)
+            self.socks.append(sock)
+        self.addrs = [f"127.0.0.1:{s.getsockname()[1]}" for s in self.socks if s is not None]
+        threading.Thread(target=self._accept, name="listeners", daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            for key, _ in self._selector.select(timeout=0.5):
+                try:
+                    conn, _ = key.fileobj.accept()  # type: ignore[union-attr]
+                    conn.close()
+                except OSError:
+                    continue
+
+    def close(self, index: int) -> None:
+        sock = self.socks[index]
+        if sock is not None:
+            self._selector.unregister(sock)
+            sock.close()
+            self.socks[index] = None
+
+
+class SimNode:
+    """One node: its agent (supervisor and in-process workers) and its ranks."""
+
+    def __init__(self, index: int, args: argparse.Namespace, addr: str, run_dir: Path) -> None:
+        self.index = index
+        self.node_id = node_name(index)
+        self.rpn = args.rpn
+        self.args = args
+        self.meter = StoreMeter()
+        self.keys = RunKeys(args.prefix)
+        self.events = EventLog(None, f"agent-{self.node_id}")
+        self.state = RunState(self._store(), self.keys)
+        self.addr = addr
+        spec = NodeSpec("bench", self.node_id, args.endpoint, run_dir, str(args.total), args.rpn, ["-c", "pass"])
+        config = InProcessConfig(join_timeout_s=args.join_timeout, spare=False)
+        self.workers = InProcessWorkers(spec, config, self.state, self.events, None, 0)  # type: ignore[arg-type]
+        self.sup = Supervisor(self.node_id, AgentConfig(), self.state, self.events,
+                              SimpleNamespace(run_dir=run_dir), None, RunScope(spec, self.state, self.events),  # type: ignore[arg-type]
+                              NodeRecords(self.state, self.node_id, self.events, lambda: None), None,  # type: ignore[arg-type]
+                              threading.Event(), lambda: "running")
+        self.sup.workers = self.workers
+        self.ranks: dict[int, InProcess] = {local: self._rank(local) for local in range(args.rpn)}
+        self.alive = True
+        self._pid = 1_000_000 + index * 1000
+
+    def _store(self) -> EtcdStore:
+        store = EtcdStore(self.args.endpoint, request_timeout=5.0, retry_deadline=30.0)
+        store.meter = self.meter
+        return store
+
+    def _rank(self, local: int, join_gen: int | None = None) -> InProcess:
+        env = WorkerEnv(node_id=self.node_id, run_id="bench", etcd_endpoint=self.args.endpoint,
+                        run_prefix=self.args.prefix, epoch="0", inprocess=f"{self.args.join_timeout:g}",
+                        snapshots="1", join_gen=str(join_gen) if join_gen is not None else "")
+        inproc = InProcess(env, local, EventLog(None, f"rank-{self.node_id}-{local}"))
+        inproc.gens.store.meter = self.meter
+        return inproc
+
+    # -- set-up: the run as torchrun formed it ---------------------------------------------------
+    def setup(self) -> None:
+        self.state.put_node(self.node_id, {"node": self.node_id, "memstate": {"addr": self.addr, "token": "t"}})
+        self.state.set_member(self.node_id, "joined")
+        for local, inproc in self.ranks.items():
+            inproc.register(self.index * self.rpn + local)
+            self.workers.observe({"type": "step", "local_rank": local, "pid": self._next_pid(),
+                                  "rank": inproc.rank, "step": STEP, "gen": 0})
+        self.workers.detached = True  # torchrun retired: the agent supervises its workers
+
+    def _next_pid(self) -> int:
+        self._pid += 1
+        return self._pid
+
+    # -- a fault ---------------------------------------------------------------------------------
+    def fault(self, t0: float, dead_local: int | None, results: list[dict]) -> list[threading.Thread]:
+        """The threads of this node's part in a re-formation: a spare for ``dead_local`` (a worker
+        of this node died), every surviving rank, and the agent fed its workers' fault reports."""
+        gen = self.workers.gen
+        survivors = [local for local in self.ranks if local != dead_local]
+        threads = [threading.Thread(target=self._agent, args=(t0, gen, survivors), daemon=True)]
+        if dead_local is not None:
+            self.ranks[dead_local] = self._rank(dead_local, join_gen=gen + 1)
+            self.workers.pids[dead_local] = self._next_pid()  # the spare holds the slot
+        threads += [threading.Thread(target=self._reform, args=(t0, self.ranks[local], results), daemon=True)
+                    for local in self.ranks]
+        for thread in threads:
+            thread.start()
+        return threads
+
+    def _agent(self, t0: float, gen: int, survivors: list[int]) -> None:
+        """What the agent's supervisor loop does with its workers' fault reports (``Supervisor._drain``)."""
+        _sleep_until(t0)
+        for local in survivors:
+            report = {"type": "fault", "gen": gen, "step": STEP, "local_rank": local,
+                      "pid": self.workers.pids[local], "rank": self.ranks[local].rank, "error": "peer lost"}
+            self.sup._on_report(report, None, 0)  # type: ignore[arg-type]
+
+    def _reform(self, t0: float, inproc: InProcess, results: list[dict]) -> None:
+        _sleep_until(t0)
+        try:
+            plan = inproc.next_plan(inproc.gens.ranks(inproc.gen))
+            held = time.time()
+            member = plan.member(inproc.slot)
+            inproc.gen, inproc.plan, inproc.rank = plan.gen, plan, member.rank if member else -1
+            inproc.client = SnapshotList(self._metas())  # type: ignore[assignment]
+            inproc._offers()  # the restore's look at what the agent holds for lost nodes
+            results.append({"plan": held, "restore": time.time()})
+        except Exception as exc:  # noqa: BLE001 - reported to the parent, which fails the round
+            results.append({"error": f"{self.node_id}/{inproc.slot.local_rank}: {type(exc).__name__}: {exc}"[:300]})
+
+    def _metas(self) -> list[SnapMeta]:
+        """What this agent's store holds at the fault: its slots' snapshots of the last two steps and
+        its ring predecessor's (it is that node's buddy)."""
+        before = node_name((self.index - 1) % self.args.total)
+        nodes = [(self.node_id, self.index), (before, (self.index - 1) % self.args.total)]
+        return [SnapMeta(node=node, slot=local, rank=i * self.rpn + local, world_size=self.args.total * self.rpn,
+                         epoch=0, gen=0, step=step, sha256="", nbytes=0)
+                for node, i in nodes for local in range(self.rpn) for step in (STEP - 1, STEP)]
+
+    def after_round(self) -> None:
+        self.workers.observe({"type": "recovered", "gen": max(r.gen for r in self.ranks.values())})
+
+    # -- steady state ----------------------------------------------------------------------------
+    def idle(self, until: float) -> None:
+        """The agent's loop in steady state, its run-wide signal checks only (``Supervisor.watch``)."""
+        poll_s = self.sup.config.epoch_poll_s
+        next_poll = time.monotonic() + poll_s * (self.index % 16) / 16  # agents are not in lockstep
+        while time.time() < until:
+            now = time.monotonic()
+            if now >= next_poll:
+                next_poll = now + poll_s
+                self.sup._poll_run(None, 0)  # type: ignore[arg-type]
+            time.sleep(max(0.0, min(next_poll - time.monotonic(), until - time.time())))
+
+
+def _sleep_until(t: float) -> None:
+    time.sleep(max(0.0, t - time.time()))
+
+
+class Host:
+    """This process's slice of the run's nodes."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.run_dir = Path(tempfile.mkdtemp(prefix="cp-sim-"))
+        indexes = list(range(args.first, args.first + args.count))
+        self.listeners = Listeners(len(indexes))
+        self.nodes = [SimNode(i, args, self.listeners.addrs[k], self.run_dir) for k, i in enumerate(indexes)]
+
+    def setup(self) -> dict[str, Any]:
+        t0 = time.time()
+        with ThreadPoolExecutor(32) as pool:
+            list(pool.map(lambda n: n.setup(), self.nodes))
+        return {"setup_s": round(time.time() - t0, 3), "meter": self._totals()}
+
+    def _totals(self) -> dict[str, int]:
+        total = {"requests": 0, "writes": 0, "watches": 0, "bytes_read": 0}
+        for node in self.nodes:
+            for key, value in node.meter.totals().items():
+                total[key] += value
+        return total
+
+    def _per_node(self) -> list[dict[str, int]]:
+        return [node.meter.totals() for node in self.nodes]
+
+    def round(self, kind: str, t0: float, victim: int, local: int | None) -> dict[str, Any]:
+        before = self._per_node()
+        results: list[dict] = []
+        threads: list[threading.Thread] = []
+        for k, node in enumerate(self.nodes):
+            if node.index == victim and kind == "node_loss":
+                self._lose(k, t0)
+                continue
+            if node.alive:
+                threads += node.fault(t0, local if node.index == victim else None, results)
+        deadline = time.monotonic() + self.args.join_timeout + 30
+        for thread in threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        self._wait_probes(deadline)
+        for node in self.nodes:
+            if node.alive:
+                node.after_round()
+        return {"results": results, "per_node": _deltas(before, self._per_node()),
+                "hung_threads": sum(t.is_alive() for t in threads)}
+
+    def _lose(self, k: int, t0: float) -> None:
+        _sleep_until(t0)
+        self.listeners.close(k)
+        self.nodes[k].alive = False
+
+    @staticmethod
+    def _wait_probes(deadline: float) -> None:
+        """The agents' lost-node probes run until the generation has its plan: their reads count."""
+        for thread in threading.enumerate():
+            if thread.name.startswith("probe-g") or thread.name.startswith("round-g"):
+                thread.join(max(0.0, deadline - time.monotonic()))
+
+    def idle(self, t0: float, warm_s: float, seconds: float) -> dict[str, Any]:
+        end = t0 + warm_s + seconds
+        threads = [threading.Thread(target=n.idle, args=(end,), daemon=True) for n in self.nodes if n.alive]
+        _sleep_until(t0)
+        for thread in threads:
+            thread.start()
+        _sleep_until(t0 + warm_s)
+        start = self._totals()
+        _sleep_until(end)
+        stop = self._totals()
+        for thread in threads:
+            thread.join(10)
+        return {"meter": {k: stop[k] - start[k] for k in start}, "agents": len(threads)}
+
+
+def _deltas(before: list[dict[str, int]], after: list[dict[str, int]]) -> list[dict[str, int]]:
+    return [{k: a[k] - b[k] for k in a} for b, a in zip(before, after)]
+
+
+def child_main(args: argparse.Namespace) -> int:
+    import threading as _threading
+
+    _threading.stack_size(512 << 10)  # thousands of rank threads: 8 MiB stacks would be mostly waste
+    host = Host(args)
+    print("READY " + json.dumps(host.setup()), flush=True)
+    for line in sys.stdin:
+        verb, *rest = line.split()
+        if verb == "ROUND":
+            kind, t0, victim, *local = rest
+            out = host.round(kind, float(t0), int(victim), int(local[0]) if local else None)
+        elif verb == "IDLE":
+            out = host.idle(*(float(x) for x in rest))
+        else:
+            continue
+        print("RESULTS " + json.dumps(out), flush=True)
+    os._exit(0)
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="benchmarks/cp_sim.py")
+    parser.add_argument("--child", action="store_true")
+    parser.add_argument("--endpoint", required=True)
+    parser.add_argument("--prefix", required=True)
+    parser.add_argument("--total", type=int, required=True, help="nodes in the run")
+    parser.add_argument("--first", type=int, required=True, help="index of this process's first node")
+    parser.add_argument("--count", type=int, required=True, help="nodes this process hosts")
+    parser.add_argument("--rpn", type=int, default=8, help="ranks per node")
+    parser.add_argument("--join-timeout", type=float, default=300.0)
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(child_main(parse()))
