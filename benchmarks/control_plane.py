@@ -172,7 +172,7 @@ def _idle(sim: Sim, seconds: float) -> dict[str, Any]:
             "loadavg_1m": round(os.getloadavg()[0], 2)}
 
 
-def _size(nodes: int, args: argparse.Namespace, endpoints: str) -> dict[str, Any]:
+def _size(nodes: int, args: argparse.Namespace, endpoints: str, faults: list[str]) -> dict[str, Any]:
     print(f"# {nodes} nodes x {args.ranks_per_node}: setting up", file=sys.stderr, flush=True)
     try:
         sim = Sim(nodes, args.ranks_per_node, min(args.procs, nodes), endpoints, args.round_timeout)
@@ -180,16 +180,15 @@ def _size(nodes: int, args: argparse.Namespace, endpoints: str) -> dict[str, Any
         return {"ok": False, "error": f"set-up: {exc}"}
     try:
         out: dict[str, Any] = dict(sim.setup)
-        out["worker_loss"] = _round(sim, "worker_loss", nodes // 2, args.ranks_per_node // 2, endpoints)
-        print(f"# {nodes}: worker_loss {out['worker_loss'].get('round_s', out['worker_loss'].get('error'))}",
-              file=sys.stderr, flush=True)
-        if out["worker_loss"]["ok"]:
-            out["node_loss"] = _round(sim, "node_loss", nodes // 3, None, endpoints)
-            print(f"# {nodes}: node_loss {out['node_loss'].get('round_s', out['node_loss'].get('error'))}",
-                  file=sys.stderr, flush=True)
-            out["idle"] = _idle(sim, args.idle_s)
-            print(f"# {nodes}: idle {out['idle']['requests_per_s']}/s", file=sys.stderr, flush=True)
-        out["ok"] = bool(out["worker_loss"]["ok"] and out.get("node_loss", {}).get("ok"))
+        for fault in faults:
+            victim, local = (nodes // 2, args.ranks_per_node // 2) if fault == "worker_loss" else (nodes // 3, None)
+            out[fault] = entry = _round(sim, fault, victim, local, endpoints)
+            print(f"# {nodes}: {fault} {entry.get('round_s', entry.get('error'))}", file=sys.stderr, flush=True)
+            if not entry["ok"]:
+                break  # the run is in no state for another round
+        out["idle"] = _idle(sim, args.idle_s)
+        print(f"# {nodes}: idle {out['idle']['requests_per_s']}/s", file=sys.stderr, flush=True)
+        out["ok"] = all(out.get(f, {}).get("ok") for f in faults)
         return out
     finally:
         sim.close()
@@ -246,6 +245,18 @@ def _summary(report: dict[str, Any]) -> None:
     report["bytes_ratio_256_to_1024"] = round(b1024 / b256, 2) if b256 and b1024 else None
 
 
+def _baseline_summary(prev: dict[str, Any]) -> dict[str, Any]:
+    """An earlier report's headline figures and per-round totals (not its whole text)."""
+    keys = ("command", "round_s", "node_loss_round_s", "requests_per_node_per_round", "idle_requests_per_s",
+            "bytes_ratio_256_to_1024", "loadavg_1m_start")
+    rounds = {size: {fault: {k: entry.get(fault, {}).get(k) for k in
+                             ("ok", "errors", "round_s", "restore_lookup_s", "requests", "writes", "bytes_read",
+                              "server_proposals")}
+                     for fault in ("worker_loss", "node_loss") if fault in entry}
+              for size, entry in prev.get("details", {}).items()}
+    return {**{k: prev.get(k) for k in keys}, "rounds": rounds}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(prog="benchmarks/control_plane.py")
     parser.add_argument("--nodes", default="64,256,1024")
@@ -253,6 +264,8 @@ def main() -> int:
     parser.add_argument("--procs", type=int, default=4, help="simulation processes")
     parser.add_argument("--round-timeout", type=float, default=300.0, help="seconds allowed per round")
     parser.add_argument("--idle-s", type=float, default=5.0)
+    parser.add_argument("--faults", default="worker_loss,node_loss",
+                        help="rounds per size, in order (each re-forms the previous round's generation)")
     parser.add_argument("--rendezvous-size", type=int, default=2048, help="0 skips the rendezvous benchmark")
     parser.add_argument("--baseline", help="an earlier report of this benchmark, embedded for comparison")
     parser.add_argument("--json", help="also write the JSON report here")
@@ -270,11 +283,13 @@ def main() -> int:
                               "sizes": [], "details": {}}
     try:
         report["baseline"] = {"etcd_latency": _latency_baseline(endpoints)}
+        faults = [f for f in args.faults.split(",") if f]
         for nodes in [int(s) for s in args.nodes.split(",") if s]:
             report["sizes"].append(str(nodes))
-            report["details"][str(nodes)] = entry = _size(nodes, args, endpoints)
-            if not entry.get("ok"):
-                break  # a size that did not finish is not worth a larger one
+            report["details"][str(nodes)] = entry = _size(nodes, args, endpoints, faults)
+            if not entry.get("ok") and faults:
+                faults = []  # a round that failed is not worth a larger one: idle runs only from here
+                entry["note"] = "a round failed: larger sizes measure only the idle run"
     finally:
         etcd.close()
         shutil.rmtree(work, ignore_errors=True)
@@ -282,13 +297,13 @@ def main() -> int:
     if args.rendezvous_size:
         report["rendezvous"] = _rendezvous(args.rendezvous_size, args.round_timeout)
     if args.baseline:
-        report["baseline"]["report"] = json.loads(Path(args.baseline).read_text())
+        report["baseline"]["report"] = _baseline_summary(json.loads(Path(args.baseline).read_text()))
     report["loadavg_1m_end"] = round(os.getloadavg()[0], 2)
     text = json.dumps(report, indent=1)
     print(text)
     if args.json:
         Path(args.json).write_text(text + "\n")
-    return 0 if all(report["details"][s].get("ok") for s in report["sizes"]) else 1
+    return 0 if all(report["details"][size].get("ok") for size in report["sizes"]) else 1
 
 
 if __name__ == "__main__":
