@@ -141,11 +141,20 @@ class RunState:
         return (int(now.value) if now else 0), False
 
     def signals(self, node_id: str) -> RunSignals:
-        """What a running agent polls for, in one read-only transaction (a linearizable read, not a
-        raft proposal): three separate reads were 12 requests/s per agent at the 0.25 s poll."""
-        result = self.store.txn(Txn(success=[Get(self.keys.epoch), Get(self.keys.excluded(node_id)),
-                                             Get(self.keys.stop)]))
-        epoch, excluded, stop = result.results
+        """What a running agent acts on (:mod:`elastic.control.signals` keeps it current)."""
+        return self.signals_of(*self.signal_records(node_id)[0])
+
+    def signal_keys(self, node_id: str) -> list[str]:
+        """The records behind :meth:`signals`: the epoch, this node's exclusion, the stop."""
+        return [self.keys.epoch, self.keys.excluded(node_id), self.keys.stop]
+
+    def signal_records(self, node_id: str) -> tuple[list[KeyValue | None], int]:
+        """The :meth:`signal_keys` records and the revision they were read at, in one read-only
+        transaction (a linearizable read, not a raft proposal; three reads were three requests)."""
+        result = self.store.txn(Txn(success=[Get(key) for key in self.signal_keys(node_id)]))
+        return list(result.results), result.revision
+
+    def signals_of(self, epoch: KeyValue | None, excluded: KeyValue | None, stop: KeyValue | None) -> RunSignals:
         return RunSignals(int(epoch.value) if epoch else 0, self.exclusions.active(excluded), decode(stop))
 
     # -- the leader's membership view ----------------------------------------------

@@ -76,7 +76,7 @@ class KVStore(Protocol):
     def txn(self, txn: Txn) -> TxnResult:
         """Run one transaction (see :mod:`elastic.control.txn`)."""
 
-    def get_prefix(self, prefix: str) -> list[KeyValue]: ...
+    def get_prefix(self, prefix: str, limit: int = 0) -> list[KeyValue]: ...
     def put(self, key: str, value: bytes | str, lease: int | None = None) -> int: ...
     def delete(self, key: str) -> bool: ...
     def delete_prefix(self, prefix: str) -> int: ...
@@ -402,8 +402,12 @@ class EtcdStore:
         """Run one transaction (see :mod:`elastic.control.txn`)."""
         return decode_txn(txn, self._post("/kv/txn", encode_txn(txn), "txn"))
 
-    def get_prefix(self, prefix: str) -> list[KeyValue]:
-        body = {"key": b64(prefix), "range_end": prefix_end(prefix), "sort_order": "ASCEND", "sort_target": "KEY"}
+    def get_prefix(self, prefix: str, limit: int = 0) -> list[KeyValue]:
+        """Every key under ``prefix`` in key order; only the first ``limit`` when given."""
+        body: dict[str, Any] = {"key": b64(prefix), "range_end": prefix_end(prefix), "sort_order": "ASCEND",
+                                "sort_target": "KEY"}
+        if limit:
+            body["limit"] = limit
         resp = self._post("/kv/range", body, f"get_prefix {prefix}")
         return [kv_from_json(raw) for raw in resp.get("kvs") or []]
 
@@ -485,6 +489,10 @@ class EtcdStore:
         close it when done.
         """
         return WatchStream(self, key, start_revision, prefix=prefix, idle_s=idle_s, range_end=range_end)
+
+    def watch_keys(self, keys: list[str], start_revision: int, idle_s: float = 30.0) -> WatchStream:
+        """Every change to any of ``keys`` from ``start_revision`` on, over one stream (close it when done)."""
+        return WatchStream.of_keys(self, keys, start_revision, idle_s=idle_s)
 
     def watch_once(self, key: str, start_revision: int, timeout: float, prefix: bool = False) -> WatchEvent | None:
         """First change to ``key`` (or the prefix) at or after ``start_revision``; None on timeout."""
