@@ -12,13 +12,15 @@ cluster behind ``launch.etcd_members: 3``).  Per size, on one run:
 ``idle``         every agent's steady-state check of the run-wide signals (epoch, exclusion, stop)
 
 Per round: ``round_s`` (the fault -> every surviving rank holds the next generation's plan),
+``store_s`` (-> every rank knows where the new generation's c10d store listens, once rank 0 said),
 ``restore_lookup_s`` (-> every rank has also looked up, as its restore does, which nodes were lost),
 etcd requests, raft writes (client-side: puts, deletes, lease grants/revokes and every transaction
 holding a write) and response bytes, in total and per node (mean and max; every store of a node
 shares one meter), from the fault until the agents' round work (probes included) ended; and etcd's
 own count of raft proposals committed (leader's ``etcd_server_proposals_committed_total``).
 Idle: requests per second of all agents over ``--idle-s`` after a 1 s warm-up, measured (a 2-core
-host may not keep up with the nominal rate) and nominal (what the configuration asks for).
+host may not keep up with a polling rate), beside what polling every ``epoch_poll_s`` asks for and
+the watch's reconnect bound (one per agent per ``watch_idle_s``; an ``--idle-s`` past it measures them).
 
 Top level: ``round_s``, ``requests_per_node_per_round`` and ``idle_requests_per_s`` per size (the
 worker loss for the first two), ``bytes_ratio_256_to_1024`` (linear growth is 4x), the rendezvous
@@ -148,6 +150,8 @@ def _round_report(kind: str, t0: float, results: list[dict], per_node: list[dict
     if good:
         out["round_s"] = round(max(r["plan"] for r in good) - t0, 3)
         out["round_s_p50"] = round(statistics.median(r["plan"] for r in good) - t0, 3)
+        if all("store" in r for r in good):  # the c10d store's address reached every rank (its agent)
+            out["store_s"] = round(max(r["store"] for r in good) - t0, 3)
         out["restore_lookup_s"] = round(max(r["restore"] for r in good) - t0, 3)
     totals = {k: sum(n[k] for n in per_node) for k in ("requests", "writes", "watches", "bytes_read")}
     out.update(totals)
@@ -166,8 +170,13 @@ def _idle(sim: Sim, seconds: float) -> dict[str, Any]:
     parts = sim.command(f"IDLE {t0} 1.0 {seconds}", time.monotonic() + seconds + 120)
     requests = sum(p["meter"]["requests"] for p in parts)
     agents = sum(p["agents"] for p in parts)
-    return {"requests_per_s": round(requests / seconds, 1), "agents": agents,
-            "nominal_requests_per_s": round(agents / AgentConfig().epoch_poll_s, 1),
+    config = AgentConfig()
+    return {"requests_per_s": round(requests / seconds, 1), "agents": agents, "seconds": seconds,
+            # What a read of the signals every epoch_poll_s asks for (the agents' old polling; on 2
+            # cores the measured rate falls short of it), and the bound of a watch that is silent:
+            # one reconnect per agent per watch_idle_s (an --idle-s longer than it includes them).
+            "polling_requests_per_s": round(agents / config.epoch_poll_s, 1),
+            "watch_reconnects_per_s": round(agents / getattr(config, "watch_idle_s", float("inf")), 1),
             "bytes_per_s": round(sum(p["meter"]["bytes_read"] for p in parts) / seconds, 1),
             "loadavg_1m": round(os.getloadavg()[0], 2)}
 
@@ -228,10 +237,14 @@ def _rendezvous(size: int, timeout: float) -> dict[str, Any]:
     finally:
         shutil.rmtree(out_path.parent, ignore_errors=True)
     entry = report["results"].get(f"etcd3/{size}", {})
-    return {"participants": size, "formation_s": entry.get("formation_s_median"),
-            "requests_per_participant": next((r.get("requests_per_participant") for r in entry.get("runs", [])
-                                              if r.get("ok")), None),
-            "ok": bool(entry.get("ok_repeats")), "command": " ".join(cmd[1:-2])}
+    runs = entry.get("runs", [])
+    out = {"participants": size, "formation_s": entry.get("formation_s_median"),
+           "requests_per_participant": next((r.get("requests_per_participant") for r in runs if r.get("ok")), None),
+           "ok": bool(entry.get("ok_repeats")), "command": " ".join(["benchmarks/rendezvous.py", *cmd[2:-2]]),
+           "loadavg_1m_start": report.get("loadavg_1m_start")}
+    if runs and not runs[0].get("ok"):
+        out["error"] = runs[0].get("error") or {k: v for k, v in runs[0].items() if k != "ok"}
+    return out
 
 
 def _summary(report: dict[str, Any]) -> None:

@@ -7,8 +7,10 @@ fed the reports its workers would send -- and its ranks, real
 the processes (no torch process group, no training), the collective error that tells a rank its
 peer is gone (every surviving rank starts its re-formation at the fault's time), the warm spare
 (a new ``InProcess`` that joins the next generation for the dead slot) and the agent's snapshot
-store (a stub listing the snapshots it would hold, for the restore's lost-node lookups; and a
-listening socket per node that the agents' probes connect to, closed when the node is lost).
+store (a listening socket per node that the probes connect to, closed when the node is lost) and
+the local channel between an agent and its workers: a rank's requests to its agent (the
+RoundBoard's wait, the snapshot list its restore looks at) are calls into the agent's objects, not
+a loopback TCP message each.  The new rank 0 publishes its (fake) c10d store address, as it does.
 Every store of a node shares one :class:`~elastic.control.store.StoreMeter`: figures are per node.
 
 Driven over stdin by the parent (``python benchmarks/cp_sim.py --child ...``)::
@@ -43,7 +45,7 @@ from elastic.agent.inprocess import InProcessWorkers  # noqa: E402
 from elastic.agent.records import NodeRecords  # noqa: E402
 from elastic.agent.scopes import RunScope  # noqa: E402
 from elastic.agent.supervise import Supervisor  # noqa: E402
-from elastic.checkpoint.memstate import SnapMeta  # noqa: E402
+from elastic.checkpoint.memstate import MemStateRejected, RoundBoard, SnapMeta  # noqa: E402
 from elastic.common.env import WorkerEnv  # noqa: E402
 from elastic.common.events import EventLog  # noqa: E402
 from elastic.control.keys import RunKeys  # noqa: E402
@@ -59,11 +61,19 @@ def node_name(index: int) -> str:
     return f"n{index:04d}"
 
 
-class SnapshotList:
-    """Stand-in for the agent's memory-store client: only the list of snapshots it holds."""
+class LocalChannel:
+    """Stand-in for a worker's memory-store client: its agent's RoundBoard and snapshot list, called
+    directly (the loopback hop left out: it costs etcd nothing)."""
 
-    def __init__(self, metas: list[SnapMeta]) -> None:
+    def __init__(self, board: RoundBoard, metas: list[SnapMeta]) -> None:
+        self.board = board
         self.metas = metas
+
+    def round_wait(self, epoch: int, gen: int, name: str, timeout_s: float) -> Any:
+        reply = self.board.wait(epoch, gen, name, timeout_s)
+        if not reply.get("ok"):
+            raise MemStateRejected(str(reply.get("error")))
+        return reply.get("value")
 
     def snap_list(self) -> list[SnapMeta]:
         return list(self.metas)
@@ -119,7 +129,7 @@ class SimNode:
         self.addr = addr
         spec = NodeSpec("bench", self.node_id, args.endpoint, run_dir, str(args.total), args.rpn, ["-c", "pass"])
         config = InProcessConfig(join_timeout_s=args.join_timeout, spare=False)
-        self.workers = InProcessWorkers(spec, config, self.state, self.events, None, 0)  # type: ignore[arg-type]
+        self.workers = InProcessWorkers(spec, config, self.state, self.events, None, 0)
         self.sup = Supervisor(self.node_id, AgentConfig(), self.state, self.events,
                               SimpleNamespace(run_dir=run_dir), None, RunScope(spec, self.state, self.events),  # type: ignore[arg-type]
                               NodeRecords(self.state, self.node_id, self.events, lambda: None), None,  # type: ignore[arg-type]
@@ -140,6 +150,7 @@ class SimNode:
                         snapshots="1", join_gen=str(join_gen) if join_gen is not None else "")
         inproc = InProcess(env, local, EventLog(None, f"rank-{self.node_id}-{local}"))
         inproc.gens.store.meter = self.meter
+        inproc.client = LocalChannel(self.workers.board, self._metas())  # type: ignore[assignment]
         return inproc
 
     # -- set-up: the run as torchrun formed it ---------------------------------------------------
@@ -151,6 +162,7 @@ class SimNode:
             self.workers.observe({"type": "step", "local_rank": local, "pid": self._next_pid(),
                                   "rank": inproc.rank, "step": STEP, "gen": 0})
         self.workers.detached = True  # torchrun retired: the agent supervises its workers
+        self.workers.register()
 
     def _next_pid(self) -> int:
         self._pid += 1
@@ -165,7 +177,8 @@ class SimNode:
         threads = [threading.Thread(target=self._agent, args=(t0, gen, survivors), daemon=True)]
         if dead_local is not None:
             self.ranks[dead_local] = self._rank(dead_local, join_gen=gen + 1)
-            self.workers.pids[dead_local] = self._next_pid()  # the spare holds the slot
+            self.workers.pids[dead_local] = self._next_pid()  # the spare holds the slot (InProcessWorkers._replace)
+            self.workers.want(gen + 1)
         threads += [threading.Thread(target=self._reform, args=(t0, self.ranks[local], results), daemon=True)
                     for local in self.ranks]
         for thread in threads:
@@ -179,17 +192,21 @@ class SimNode:
             report = {"type": "fault", "gen": gen, "step": STEP, "local_rank": local,
                       "pid": self.workers.pids[local], "rank": self.ranks[local].rank, "error": "peer lost"}
             self.sup._on_report(report, None, 0)  # type: ignore[arg-type]
+        self.workers.join_wanted()  # what the supervisor loop's poll() does once every slot lives
 
     def _reform(self, t0: float, inproc: InProcess, results: list[dict]) -> None:
         _sleep_until(t0)
         try:
-            plan = inproc.next_plan(inproc.gens.ranks(inproc.gen))
+            plan = inproc.next_plan()
             held = time.time()
-            member = plan.member(inproc.slot)
-            inproc.gen, inproc.plan, inproc.rank = plan.gen, plan, member.rank if member else -1
-            inproc.client = SnapshotList(self._metas())  # type: ignore[assignment]
+            inproc.gen, inproc.plan, inproc.rank = plan.gen, plan, plan.rank_of(inproc.old_rank)
+            if inproc.rank == 0:  # InProcess._store: rank 0 serves the new c10d store and says where
+                inproc.gens.put_store(plan.gen, "127.0.0.1:1")
+            else:
+                inproc._from_agent(plan.gen, "store")
+            stored = time.time()
             inproc._offers()  # the restore's look at what the agent holds for lost nodes
-            results.append({"plan": held, "restore": time.time()})
+            results.append({"plan": held, "store": stored, "restore": time.time()})
         except Exception as exc:  # noqa: BLE001 - reported to the parent, which fails the round
             results.append({"error": f"{self.node_id}/{inproc.slot.local_rank}: {type(exc).__name__}: {exc}"[:300]})
 

@@ -59,6 +59,7 @@ class Supervisor:
         """Chaos faults delivered through etcd: fed this node's reports, polled every loop."""
         self.hangs = HangAttribution(node_id, metrics.run_dir, state, events,
                                      wait_s=config.heartbeat.step_timeout_s / 2)
+        self._noticed: set[tuple[int, int]] = set()  # (epoch, generation) faults this agent recorded
         self.signals: SignalWatch | None = None
         """The run-wide signals of the attempt being watched (one watch stream, closed with it)."""
 
@@ -164,8 +165,11 @@ class Supervisor:
         elif kind == "commit":
             self.progress.observe_commit(int(report.get("step", -1)))
         elif kind == "fault":  # a peer was lost; the workers re-form in-process: say where the run stood
-            self.records.quietly("notice_fault", lambda: self.state.notice_fault(
-                epoch, report.get("step"), self.node_id, "peer_lost", gen=int(report.get("gen", 0))))
+            gen = int(report.get("gen", 0))
+            if (epoch, gen) not in self._noticed:  # its other workers report the same fault: one write a node
+                self._noticed.add((epoch, gen))
+                self.records.quietly("notice_fault", lambda: self.state.notice_fault(
+                    epoch, report.get("step"), self.node_id, "peer_lost", gen=gen))
         elif kind == "screen":
             self.screened = self.screener_record(report)
         elif kind == "numerics":

@@ -1,9 +1,10 @@
 """In-process recovery on the worker side: survive a lost peer without a new process.
 
 When a collective fails because a peer went away (:func:`is_peer_failure`), a worker does not
-exit.  It tears down its process groups, joins the next generation of the world through etcd
-(:mod:`elastic.control.generations`), opens new process groups on a store served by the new rank
-0, rebuilds its model wrapping for the new world (the trainer's build function) and restores its
+exit.  It tears down its process groups and learns the next generation of the world from its node's
+agent over the local channel (the agent joins the round for the whole node:
+:mod:`elastic.control.generations`; no rank reads etcd on the way), opens new process groups on a
+store served by the new rank 0, rebuilds its model wrapping for the new world (the trainer's build function) and restores its
 state from the per-step memory snapshots (:mod:`elastic.checkpoint.snapshot`): its own from its
 own memory, a replaced worker's from the node agent's store, a lost node's from its buddy's.  No
 process starts except the warm spare that takes a dead worker's slot; nobody re-imports torch.
@@ -103,6 +104,7 @@ class InProcess:
         self.pusher = SnapshotPusher(self.client, env.node_id, local_rank, self.epoch, events) if self.client else None
         self.gen = int(env.join_gen) if env.join_gen else 0
         self.rank = -1
+        self.old_rank = -1  # this slot's rank in the generation before self.plan's
         self.plan: Plan | None = None
         self.phases: dict[str, float] = {}  # the last re-formation's (PhaseClock)
         self.exact: tuple[bool, str] = (True, "")  # the last restore: bitwise the pre-fault state? (why not)
@@ -121,9 +123,8 @@ class InProcess:
 
     # -- every step ------------------------------------------------------------------
     def register(self, rank: int) -> None:
+        """The rank torchrun gave this worker (its agent registers the node's slots for generation 0)."""
         self.rank = rank
-        if self.gen == 0:
-            self.gens.register(self.slot, rank)
 
     def snapshot(self, step: int, state: dict[str, Any], extra: dict[str, Any], world: int,
                  deferred: bool = False) -> None:
@@ -187,7 +188,6 @@ class InProcess:
         A plan with fewer nodes than ``min_nodes`` (launch.nodes) raises RecoveryUnavailable on every
         member alike: a fixed-size run never shrinks in-process, it restarts and waits for the node."""
         clock = PhaseClock()
-        previous = self.gens.ranks(self.gen)
         if self.pusher is not None:
             self.pusher.wait()
             self.pusher.take_error()  # the failed world's last capture: moot now
@@ -197,53 +197,57 @@ class InProcess:
             self.events.emit("recovery.severed", connections=shut, gen=self.gen)
             dist.destroy_process_group()
         clock.lap("teardown_s")
-        plan = self.next_plan(previous)
+        plan = self.next_plan()
         clock.lap("generation_s")
-        nodes = len({m.slot.node for m in plan.members})
-        if nodes < min_nodes:
-            raise RecoveryUnavailable(f"generation {plan.gen} has {nodes} nodes; the run needs at least {min_nodes} "
-                                      f"(launch.nodes): restarting from the disk checkpoint")
+        if plan.nodes < min_nodes:
+            raise RecoveryUnavailable(f"generation {plan.gen} has {plan.nodes} nodes; the run needs at least "
+                                      f"{min_nodes} (launch.nodes): restarting from the disk checkpoint")
         self._init_group(plan, backend, pg_timeout)
         clock.lap("process_group_s")
         self.gen, self.plan, self.phases = plan.gen, plan, clock.laps
         return plan
 
-    def next_plan(self, previous: dict[Slot, int]) -> Plan:
-        """The control-plane part of a re-formation: join the next generation and wait for its plan
-        (``previous``: the slot -> rank map of the generation this worker leaves).  No process group
-        is touched, so ``benchmarks/control_plane.py`` drives it for thousands of simulated ranks."""
+    def next_plan(self) -> Plan:
+        """The control-plane part of a re-formation: the next generation's plan, from this node's agent
+        (which joins the round for its node), and this slot's rank before it (``old_rank``).  No
+        process group is touched, so ``benchmarks/control_plane.py`` drives it for thousands of ranks."""
         target = self.gen + (0 if self.joining and self.plan is None else 1)
-        newest = self.ring.newest()
-        self.gens.join(target, self.slot, pid=os.getpid(), old_rank=self.rank,
-                       snapshot_step=newest.step if newest else None)
-        return self.gens.wait_plan(target, self._previous(target, previous), self.join_timeout_s)
+        reply = self._from_agent(target, "plan")
+        plan = Plan.from_record(reply["plan"])
+        self.old_rank = int(reply["slots"].get(str(self.slot.local_rank), -1))
+        return plan
+
+    def _from_agent(self, gen: int, name: str) -> dict[str, Any]:
+        """What the agent posted for generation ``gen`` (elastic.checkpoint.memstate.RoundBoard)."""
+        if self.client is None:
+            raise RecoveryUnavailable("no agent channel (memory store) to learn the next generation from")
+        try:
+            return self.client.round_wait(self.epoch, gen, name, self.join_timeout_s)
+        except MemStateError as exc:
+            raise RecoveryUnavailable(f"generation {gen}: {exc}") from exc
 
     def _keep_ports(self) -> set[int]:
         """The etcd and memory-store ports: the connections recovery itself needs."""
         addrs = [*self.env.etcd_endpoint.split(","), self.env.memstate_addr]
         return {int(a.rpartition(":")[2]) for a in addrs if a.rpartition(":")[2].isdigit()}
 
-    def _previous(self, target: int, known: dict[Slot, int]) -> dict[Slot, int]:
-        return known if target == self.gen + 1 and known else self.gens.ranks(target - 1)
-
     def _init_group(self, plan: Plan, backend: str, pg_timeout: timedelta) -> None:
-        member = plan.member(self.slot)
-        if member is None:
-            raise RecoveryUnavailable(f"slot {self.slot.key()} is not in generation {plan.gen}")
-        self.rank = member.rank
-        store = self._store(plan, member.rank)
-        dist.init_process_group(backend, store=store, rank=member.rank, world_size=plan.world, timeout=pg_timeout)
+        rank = plan.rank_of(self.old_rank)
+        if rank is None:
+            raise RecoveryUnavailable(f"slot {self.slot.key()} (rank {self.old_rank}) is not in generation {plan.gen}")
+        self.rank = rank
+        store = self._store(plan, rank)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=plan.world, timeout=pg_timeout)
 
     def _store(self, plan: Plan, rank: int) -> dist.Store:
-        """The generation's c10d store, served by its rank 0 (address published in etcd)."""
-        key = self.gens.keys.gen_store(self.epoch, plan.gen)
+        """The generation's c10d store, served by its rank 0: it publishes the address in etcd (one put
+        a round), every other rank hears it from its agent, whose round watch sees that put."""
         if rank == 0:
             store = dist.TCPStore(self.env.local_addr or "127.0.0.1", 0, plan.world, True,
                                   timedelta(seconds=self.join_timeout_s), wait_for_workers=False)
-            self.gens.store.put(key, f"{self.env.local_addr or '127.0.0.1'}:{store.port}")
+            self.gens.put_store(plan.gen, f"{self.env.local_addr or '127.0.0.1'}:{store.port}")
             return store
-        kv = self.gens.store.wait_for_key(key, self.join_timeout_s)
-        host, _, port = kv.value.decode().rpartition(":")
+        host, _, port = str(self._from_agent(plan.gen, "store")).rpartition(":")
         return dist.TCPStore(host, int(port), plan.world, False, timedelta(seconds=self.join_timeout_s))
 
     # -- restore ------------------------------------------------------------------------------
@@ -253,10 +257,10 @@ class InProcess:
         Returns (step, this rank's per-rank extra or {} when the world changed, where it came from).
         """
         assert self.plan is not None
-        old_world = sorted(self.gens.ranks(self.plan.gen - 1).values())
+        old_world = list(range(self.plan.old_world))
         step = _agree(_holdings(_all_gather(self._offers())), old_world)
         self.exact = self._exactness(old_world)
-        if self.plan.keeps_ranks(len(old_world)):
+        if self.plan.keeps_ranks():
             snap, source = self._own(step)
             _fail_together(snap is None, f"rank {self.rank}: no snapshot of step {step}")
             assert snap is not None
@@ -271,7 +275,7 @@ class InProcess:
         agreed on; only a changed world (ranks renumbered, shards resharded, another data-parallel
         split of the batch) changes the trajectory."""
         assert self.plan is not None
-        if self.plan.keeps_ranks(len(old_world)):
+        if self.plan.keeps_ranks():
             return True, ""
         return False, (f"the world changed from {len(old_world)} to {self.plan.world} ranks in generation "
                        f"{self.plan.gen}: state resharded, batches split anew")
@@ -284,9 +288,7 @@ class InProcess:
         return fetched, "agent memory"
 
     def _old_rank(self) -> int:
-        assert self.plan is not None
-        member = self.plan.member(self.slot)
-        return member.old_rank if member is not None else -1
+        return self.old_rank
 
     def _offers(self) -> dict[int, list[int]]:
         """old rank -> snapshot steps this rank can provide (its own, and what its agent holds for lost slots)."""
@@ -304,8 +306,9 @@ class InProcess:
         return offers
 
     def _lost_nodes(self) -> set[str]:
+        """The nodes this generation formed without: the plan names them (no etcd read)."""
         assert self.plan is not None
-        return self.gens.lost(self.plan.gen)
+        return set(self.plan.lost)
 
     def _agent_metas(self) -> list:
         if self.client is None:
