@@ -402,9 +402,11 @@ class WorkerSession:
         fields = run.resumed(step, extra or None)
         if start_event:
             self.emit_start(step, resumed=True, loaded_from=source, gen=self.inproc.gen, **fields)
+        bitwise, why = self.inproc.exact
         self.events.emit("trainer.recovered", path="inprocess", gen=self.inproc.gen, step=step, rank=self.rank,
                          world_size=self.world, loaded_from=source, recover_s=round(time.monotonic() - t0, 3),
-                         phases=dict(self.inproc.phases))
+                         phases=dict(self.inproc.phases), bitwise=bitwise,
+                         **({"trajectory_changed": why} if not bitwise else {}))
         self.agent.report_recovered(step, self.inproc.gen, self.world, source)
         return step
 
