@@ -11,7 +11,8 @@ cluster behind ``launch.etcd_members: 3``).  Per size, on one run:
 ``node_loss``    a whole node (agent and workers) is lost; the rest re-form without it (1 -> 2)
 ``idle``         every agent's steady-state check of the run-wide signals (epoch, exclusion, stop)
 
-Per round: ``round_s`` (the fault -> every surviving rank holds the next generation's plan),
+Per round: ``round_s`` (the fault -> every surviving rank holds the next generation's plan; its
+``phases`` from the agents' events: the last node joined, the coordinator closed, every agent held it),
 ``store_s`` (-> every rank knows where the new generation's c10d store listens, once rank 0 said),
 ``restore_lookup_s`` (-> every rank has also looked up, as its restore does, which nodes were lost),
 etcd requests, raft writes (client-side: puts, deletes, lease grants/revokes and every transaction
@@ -57,7 +58,7 @@ SIM = Path(__file__).with_name("cp_sim.py")
 class Sim:
     """The simulated nodes of one run, spread over ``procs`` processes."""
 
-    def __init__(self, nodes: int, rpn: int, procs: int, endpoint: str, timeout: float) -> None:
+    def __init__(self, nodes: int, rpn: int, procs: int, endpoint: str, timeout: float, rank_threads: str) -> None:
         self.nodes, self.rpn, self.timeout = nodes, rpn, timeout
         prefix = f"/bench/runs/cp-{nodes}-{uuid.uuid4().hex[:8]}"
         counts = [nodes // procs + (1 if i < nodes % procs else 0) for i in range(procs)]
@@ -67,7 +68,7 @@ class Sim:
         self.children = [
             subprocess.Popen([sys.executable, str(SIM), "--child", "--endpoint", endpoint, "--prefix", prefix,
                               "--total", str(nodes), "--first", str(first), "--count", str(count),
-                              "--rpn", str(rpn), "--join-timeout", str(timeout)],
+                              "--rpn", str(rpn), "--join-timeout", str(timeout), "--rank-threads", rank_threads],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
                              stderr=None if os.environ.get("BENCH_CHILD_STDERR") else subprocess.DEVNULL)
             for first, count in zip(firsts, counts) if count
@@ -134,7 +135,24 @@ def _round(sim: Sim, kind: str, victim: int, local: int | None, endpoints: str) 
     server1 = _server_metrics(endpoints)
     results = [r for p in parts for r in p["results"]]
     per_node = [n for p in parts for n in p["per_node"]]
-    return _round_report(kind, t0, results, per_node, server0, server1, sim, load)
+    out = _round_report(kind, t0, results, per_node, server0, server1, sim, load)
+    out["phases"] = _phases(t0, [m for p in parts for m in p.get("milestones", [])])
+    return out
+
+
+def _phases(t0: float, milestones: list[dict[str, float]]) -> dict[str, float]:
+    """Where a round's time went, from the agents' events: the last node's join, the coordinator's
+    close, the last agent holding the plan (each from the fault)."""
+    out = {}
+    for name, key in (("last_round_start_s", "round_started"), ("last_join_s", "joined"), ("closed_s", "closed"),
+                      ("agents_hold_plan_s", "plan_agent")):
+        times = [m[key] for m in milestones if key in m]
+        if times:
+            out[name] = round(max(times) - t0, 3)
+    joins = sorted(m["joined"] - m["round_started"] for m in milestones if "joined" in m and "round_started" in m)
+    if joins:  # one join transaction, from the agent's round thread
+        out["join_txn_s_p50"], out["join_txn_s_max"] = round(joins[len(joins) // 2], 3), round(joins[-1], 3)
+    return out
 
 
 def _round_report(kind: str, t0: float, results: list[dict], per_node: list[dict], server0: dict, server1: dict,
@@ -184,7 +202,8 @@ def _idle(sim: Sim, seconds: float) -> dict[str, Any]:
 def _size(nodes: int, args: argparse.Namespace, endpoints: str, faults: list[str]) -> dict[str, Any]:
     print(f"# {nodes} nodes x {args.ranks_per_node}: setting up", file=sys.stderr, flush=True)
     try:
-        sim = Sim(nodes, args.ranks_per_node, min(args.procs, nodes), endpoints, args.round_timeout)
+        sim = Sim(nodes, args.ranks_per_node, min(args.procs, nodes), endpoints, args.round_timeout,
+                  args.rank_threads)
     except (TimeoutError, RuntimeError) as exc:
         return {"ok": False, "error": f"set-up: {exc}"}
     try:
@@ -280,6 +299,8 @@ def main() -> int:
     parser.add_argument("--faults", default="worker_loss,node_loss",
                         help="rounds per size, in order (each re-forms the previous round's generation)")
     parser.add_argument("--rendezvous-size", type=int, default=2048, help="0 skips the rendezvous benchmark")
+    parser.add_argument("--rank-threads", choices=("rank", "node"), default="rank",
+                        help="simulated ranks: a thread each, or a thread per node (see benchmarks/cp_sim.py)")
     parser.add_argument("--baseline", help="an earlier report of this benchmark, embedded for comparison")
     parser.add_argument("--json", help="also write the JSON report here")
     args = parser.parse_args()
@@ -292,6 +313,7 @@ def main() -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     report: dict[str, Any] = {"command": " ".join(["benchmarks/control_plane.py", *sys.argv[1:]]),
                               "ranks_per_node": args.ranks_per_node, "procs": args.procs, "etcd_members": 3,
+                              "rank_threads": args.rank_threads,
                               "cpus": os.cpu_count(), "loadavg_1m_start": round(os.getloadavg()[0], 2),
                               "sizes": [], "details": {}}
     try:

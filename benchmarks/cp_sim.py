@@ -8,7 +8,9 @@ the processes (no torch process group, no training), the collective error that t
 peer is gone (every surviving rank starts its re-formation at the fault's time), the warm spare
 (a new ``InProcess`` that joins the next generation for the dead slot) and the agent's snapshot
 store (a listening socket per node that the probes connect to, closed when the node is lost) and
-the local channel between an agent and its workers: a rank's requests to its agent (the
+the local channel between an agent and its workers (``--rank-threads node`` runs a node's ranks
+one after the other in one thread, to spare a 2-core host thousands of threads; they do no etcd
+I/O, so etcd sees the same requests): a rank's requests to its agent (the
 RoundBoard's wait, the snapshot list its restore looks at) are calls into the agent's objects, not
 a loopback TCP message each.  The new rank 0 publishes its (fake) c10d store address, as it does.
 Every store of a node shares one :class:`~elastic.control.store.StoreMeter`: figures are per node.
@@ -79,6 +81,24 @@ class LocalChannel:
         return list(self.metas)
 
 
+class RoundEvents(EventLog):
+    """An agent's events, kept only as the times of its round's milestones (joined, plan, closed)."""
+
+    KINDS = {"round.joined": "joined", "agent.round_plan": "plan_agent", "round.closed": "closed"}
+
+    def __init__(self, source: str) -> None:
+        super().__init__(None, source)
+        self.times: dict[str, float] = {}
+
+    def emit(self, kind: str, **fields: Any) -> dict[str, Any]:
+        event = super().emit(kind, **fields)
+        if kind in self.KINDS:
+            self.times[self.KINDS[kind]] = event["ts"]
+            if kind == "round.joined":  # since_s: the join transaction's own time
+                self.times["round_started"] = event["ts"] - float(fields.get("since_s", 0.0))
+        return event
+
+
 class Listeners:
     """One listening socket per hosted node (where its agent's snapshot store would be): a probe's
     connect succeeds while the node lives and is refused once :meth:`close` took the socket away.
@@ -124,7 +144,7 @@ class SimNode:
         self.args = args
         self.meter = StoreMeter()
         self.keys = RunKeys(args.prefix)
-        self.events = EventLog(None, f"agent-{self.node_id}")
+        self.events = RoundEvents(f"agent-{self.node_id}")
         self.state = RunState(self._store(), self.keys)
         self.addr = addr
         spec = NodeSpec("bench", self.node_id, args.endpoint, run_dir, str(args.total), args.rpn, ["-c", "pass"])
@@ -173,14 +193,19 @@ class SimNode:
         """The threads of this node's part in a re-formation: a spare for ``dead_local`` (a worker
         of this node died), every surviving rank, and the agent fed its workers' fault reports."""
         gen = self.workers.gen
+        self.events.times.clear()
         survivors = [local for local in self.ranks if local != dead_local]
         threads = [threading.Thread(target=self._agent, args=(t0, gen, survivors), daemon=True)]
         if dead_local is not None:
             self.ranks[dead_local] = self._rank(dead_local, join_gen=gen + 1)
             self.workers.pids[dead_local] = self._next_pid()  # the spare holds the slot (InProcessWorkers._replace)
             self.workers.want(gen + 1)
-        threads += [threading.Thread(target=self._reform, args=(t0, self.ranks[local], results), daemon=True)
-                    for local in self.ranks]
+        if self.args.rank_threads == "node":  # the node's ranks one after the other, in one thread
+            ranks = [self.ranks[local] for local in sorted(self.ranks)]
+            threads.append(threading.Thread(target=lambda: [self._reform(t0, r, results) for r in ranks], daemon=True))
+        else:
+            threads += [threading.Thread(target=self._reform, args=(t0, self.ranks[local], results), daemon=True)
+                        for local in self.ranks]
         for thread in threads:
             thread.start()
         return threads
@@ -283,6 +308,7 @@ class Host:
             if node.alive:
                 node.after_round()
         return {"results": results, "per_node": _deltas(before, self._per_node()),
+                "milestones": [dict(n.events.times) for n in self.nodes if n.alive],
                 "hung_threads": sum(t.is_alive() for t in threads)}
 
     def _lose(self, k: int, t0: float) -> None:
@@ -345,6 +371,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--count", type=int, required=True, help="nodes this process hosts")
     parser.add_argument("--rpn", type=int, default=8, help="ranks per node")
     parser.add_argument("--join-timeout", type=float, default=300.0)
+    parser.add_argument("--rank-threads", choices=("rank", "node"), default="rank",
+                        help="a thread per rank (faithful), or one per node running its ranks' code in turn "
+                             "(a node's ranks do no etcd I/O: this only saves the simulation's own CPU)")
     return parser.parse_args(argv)
 
 

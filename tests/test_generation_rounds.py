@@ -38,10 +38,10 @@ class Probes:
         self._lock = threading.Lock()
 
     def of(self, by: str):
-        def probe(node: str) -> str:
+        def probe(nodes: list[str]) -> dict[str, str]:
             with self._lock:
-                self.calls.append((by, node))
-            return "refused" if node in self.gone else ""
+                self.calls += [(by, node) for node in nodes]
+            return {node: "refused" if node in self.gone else "" for node in nodes}
         return probe
 
 
@@ -56,8 +56,9 @@ def _rounds(gens: Generations, gen: int, nodes: list[str], probes: Probes, previ
     def one(node: str) -> None:
         time.sleep((delay or {}).get(node, 0.0))
         mine = {local: ranks[Slot(node, local)] for local in roster[node]}
+        notice = (KEYS.noticed(0, gen - 1), json.dumps({"by": node, "kind": "peer_lost"}))
         round_ = NodeRound(gens, node, gen, mine, previous, probes.of(node), timeout_s, poll_s=0.05,
-                           takeover_s=takeover_s)
+                           takeover_s=takeover_s, notice=notice)
         try:
             out[node] = round_.run()
         except GenerationFailed as exc:
@@ -104,6 +105,8 @@ def test_every_node_gets_one_plan_closed_by_the_first_node_alone():
     assert plan.by == "n0" and plan.keeps_ranks() and plan.world == 12 and plan.nodes == 6
     # Every probe of the round came from the coordinator or its deputy, never from the other nodes.
     assert {by for by, _ in probes.calls} <= {"n0", "n1"}
+    # The run's note of the fault: written once, inside the first join's transaction.
+    assert json.loads(gens.store.get(KEYS.noticed(0, 0)).value)["kind"] == "peer_lost"
 
 
 def test_a_lost_node_is_found_and_named_once_by_the_coordinator():
@@ -132,13 +135,14 @@ def test_the_coordinator_lost_mid_round_is_replaced_by_its_deputy():
 
 
 def test_two_faults_in_one_round_coordinator_and_deputy_both_gone():
-    """n0 and n1 are lost together: nobody is left to probe them for their role, so the others take
-    over after ``takeover_s``; one plan drops both nodes."""
-    gens = _registered(5)
+    """n0 and n1 are lost together: nobody is left to probe them for their role, so the reserves (n2,
+    n3) take over after ``takeover_s``; one plan drops both nodes; n4 and n5 probe no one."""
+    gens = _registered(6)
     probes = Probes(gone={"n0", "n1"})
-    out = _rounds(gens, 1, ["n2", "n3", "n4"], probes, takeover_s=0.3)
+    out = _rounds(gens, 1, ["n2", "n3", "n4", "n5"], probes, takeover_s=0.3)
     plan = _one_plan(out)
-    assert plan.lost == ("n0", "n1") and plan.world == 6 and plan.by == "n2"
+    assert plan.lost == ("n0", "n1") and plan.world == 8 and plan.by == "n2"
+    assert {by for by, _ in probes.calls} <= {"n2", "n3"}
 
 
 def test_two_faults_in_one_round_a_lost_node_and_a_replaced_worker():
@@ -174,7 +178,7 @@ def test_a_round_without_a_registered_generation_zero_fails_at_once():
     gens = Generations(MemoryStore(), KEYS, epoch=0)
     started = time.monotonic()
     with pytest.raises(GenerationFailed, match="no node registered"):
-        NodeRound(gens, "n0", 1, {0: 0}, None, lambda node: "", timeout_s=5).run()
+        NodeRound(gens, "n0", 1, {0: 0}, None, lambda nodes: {}, timeout_s=5).run()
     assert time.monotonic() - started < 1
 
 

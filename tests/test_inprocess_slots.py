@@ -205,10 +205,12 @@ def test_a_round_probe_spares_nodes_that_left_cleanly_and_reads_once(slots):
         state.set_member(node, "joined")
     state.set_member("node3", "SUCCEEDED")
     probe = workers._prober(1)
-    assert probe("node3") == ""
-    assert "record is gone" in probe("node2")
+    assert probe(["node3"]) == {"node3": ""}
+    assert "record is gone" in probe(["node2"])["node2"]
     state.put_node("node2", {"memstate": {"addr": "127.0.0.1:1"}})
-    assert "record is gone" in probe("node2")  # read once a round: the record came too late for it
+    assert "record is gone" in probe(["node2"])["node2"]  # read once a round: the record came too late for it
+    many = workers._prober(2)(["node0", "node1", "node2", "node3"] + [f"extra{i}" for i in range(8)])
+    assert "refuses" in many["node2"] and many["node3"] == "" and "record is gone" in many["extra0"]
 
 
 def test_a_node_joins_the_round_for_its_slots_once_every_slot_lives(slots):
@@ -232,6 +234,8 @@ def test_a_node_joins_the_round_for_its_slots_once_every_slot_lives(slots):
     gens.put_store(1, "127.0.0.1:5")
     assert workers.board.wait(0, 1, "store", timeout_s=10) == {"ok": True, "value": "127.0.0.1:5"}
     assert json.loads(gens.store.get(gens.keys.gen_join(0, 1, "node0")).value)["slots"] == {"0": 0, "1": 1}
+    noticed = json.loads(workers.state.store.get(workers.state.keys.noticed(0, 0)).value)
+    assert noticed["by"] == "node0" and noticed["step"] == 5 and noticed["kind"] == "peer_lost"
 
 
 def test_a_loss_needs_a_refusal_a_gone_record_or_three_timeouts(slots):

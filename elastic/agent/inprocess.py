@@ -32,6 +32,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 from elastic.agent.attempt import AttemptResult, NodeSpec, Outcome, TorchrunAttempt
 from elastic.agent.classify import FailureKind, stopping_failure
@@ -136,6 +137,9 @@ def ring_successor(node_id: str, nodes: dict[str, dict]) -> tuple[str, str, str]
     node = (after or order)[0]
     return node, stores[node]["addr"], stores[node]["token"]
 
+
+_FEW = 8
+"""Probing more nodes than this, a round reads every node record in one range instead of each one."""
 
 # Exit codes a worker leaves with on purpose: the agent's usual path decides (classify, roll back, exclude).
 _DELIBERATE = frozenset({EXIT_NUMERICS, EXIT_SCREEN_FAILED, EXIT_CONFIG, EXIT_CHECKPOINT})
@@ -380,9 +384,10 @@ class InProcessWorkers:
     def _round(self, gen: int, slots: dict[int, int]) -> None:
         """This node's part in round ``gen``: the plan, then the new c10d store's address, each handed
         to the workers as soon as it is known; a round that fails fails the workers' wait too."""
+        notice = self.state.notice(self.epoch, self._fault_steps.get(gen), self.spec.node_id, "peer_lost", gen=gen - 1)
         round_ = NodeRound(self.gens, self.spec.node_id, gen, slots, self.plan, self._prober(gen),
                            self.config.join_timeout_s, on_lost=lambda node, why: self._name_lost(node, gen, why),
-                           emit=self.events.emit, stopped=self._closed.is_set)
+                           emit=self.events.emit, stopped=self._closed.is_set, notice=notice)
         try:
             plan = round_.run()
             self._adopt(plan, slots)
@@ -403,21 +408,30 @@ class InProcessWorkers:
         self.gen = max(self.gen, plan.gen)  # a fault right after this plan is a fault of plan.gen
         self.ranks = {local: rank for local, old in slots.items() if (rank := plan.rank_of(old)) is not None}
 
-    def _prober(self, gen: int):
-        """The probe of round ``gen``: why a node's agent is gone, or "" while it may only be slow or
-        left cleanly (a node that finished; its closed store is no loss).  Node records and the roster
-        are read once a round, and only by the agent that probes (the coordinator, its deputy)."""
+    def _prober(self, gen: int) -> Callable[[list[str]], dict[str, str]]:
+        """The probe of round ``gen``: why each node's agent is gone, or "" while it may only be slow
+        or left cleanly (a node that finished; its closed store is no loss).  Records are read once a
+        round, and only by the agents that probe: the coordinator reads every node's (one range each
+        of node records and roster), its deputy and reserves the few they probe (one transaction)."""
         strikes: dict[str, int] = {}
-        cache: dict[str, dict] = {}
+        records: dict[str, tuple[dict | None, dict | None]] = {}  # node -> (node record, roster entry)
 
-        def probe(node: str) -> str:
-            if not cache:
-                cache["nodes"], cache["members"] = self.state.nodes(), self.state.members()
-            if cache["members"].get(node, {}).get("state", "joined") not in ("joined", "lost"):
-                return ""
-            return self._unreachable(node, cache["nodes"].get(node), strikes)
+        def probe(nodes: list[str]) -> dict[str, str]:
+            missing = [n for n in nodes if n not in records]
+            if len(missing) > _FEW:
+                found, roster = self.state.nodes(), self.state.members()
+                records.update({n: (found.get(n), roster.get(n)) for n in {*found, *roster, *missing}})
+            elif missing:
+                records.update(self.state.node_records(missing))
+            return {node: self._verdict(node, records[node], strikes) for node in nodes}
 
         return probe
+
+    def _verdict(self, node: str, records: tuple[dict | None, dict | None], strikes: dict[str, int]) -> str:
+        record, member = records
+        if (member or {}).get("state", "joined") not in ("joined", "lost"):
+            return ""
+        return self._unreachable(node, record, strikes)
 
     def _unreachable(self, node: str, record: dict | None, strikes: dict[str, int]) -> str:
         """Why ``node``'s agent is gone, or "" while it may only be slow.  Its record gone (lease

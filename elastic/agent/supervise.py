@@ -164,7 +164,10 @@ class Supervisor:
             self.monitor.observe(report)
         elif kind == "commit":
             self.progress.observe_commit(int(report.get("step", -1)))
-        elif kind == "fault":  # a peer was lost; the workers re-form in-process: say where the run stood
+        elif kind == "fault" and self.workers is None:
+            # A peer was lost and the workers re-form in-process: say where the run stood.  With the
+            # in-process workers attached, their agent's join of the round writes this note (first
+            # joiner only, in the join's own transaction): no request of its own per agent.
             gen = int(report.get("gen", 0))
             if (epoch, gen) not in self._noticed:  # its other workers report the same fault: one write a node
                 self._noticed.add((epoch, gen))

@@ -16,8 +16,10 @@ The plan is a delta, not a member list: the ranks of generation g that are gone,
 lost (this round, and since generation 0).  Its size grows with the faults, not with the world, and
 each node applies it to its own slots: ranks keep their order; the ranks of a shrunk world are the
 old ranks in order, renumbered from 0.  Why: a member list of 8,192 ranks is ~0.5 MB, and every node
-reading it is ~0.5 GB per round at 1,024 nodes; with per-rank reads of the round it was 2.4 GB per
-round already at 64 nodes (``benchmarks/control_plane.py``, before this design).
+reading it is ~0.5 GB per round at 1,024 nodes.  Measured (``benchmarks/control_plane.py``, 64 nodes
+x 8 ranks, 3 etcd members, 2 cores): with every rank joining and reading the round's prefix, a round
+read 1.7-2.4 GB and sent ~13,000-17,000 requests, and a third to half of the ranks gave up on 2 s
+read timeouts; with one participant per node it reads ~0.2 MB in ~200 requests (~3 per node).
 
 A round that cannot complete (a node neither joins nor is found lost within the timeout, or this
 node itself was declared lost) raises :class:`GenerationFailed`; the workers then leave and the run
@@ -35,7 +37,7 @@ from typing import Any
 from elastic.control.keys import RunKeys
 from elastic.control.runstate import decode
 from elastic.control.store import KeyValue, KVStore
-from elastic.control.txn import Get, Put, Range, Txn
+from elastic.control.txn import Compare, Get, Put, Range, Txn
 
 Roster = dict[str, dict[int, int]]
 """Generation 0: node -> local slot -> rank."""
@@ -181,17 +183,21 @@ class Generations:
         return [RunKeys.tail(kv.key, base) for kv in self.store.get_prefix(base, limit=limit)]
 
     # -- a round ----------------------------------------------------------------------------
-    def join_node(self, gen: int, node: str, slots: dict[int, int], head_limit: int) -> JoinView:
+    def join_node(self, gen: int, node: str, slots: dict[int, int], head_limit: int,
+                  notice: tuple[str, str] | None = None) -> JoinView:
         """Join generation ``gen`` for ``node`` (``slots``: local slot -> its rank in ``gen - 1``) and
         read, in the same transaction (one request, one raft write), what a node needs next: the
-        plan and store address if the round already closed, who was declared lost, the roster's head."""
+        plan and store address if the round already closed, who was declared lost, the roster's head.
+        ``notice`` (key, record): the run's note of this fault, written only by the first node to join
+        (:meth:`RunState.notice`; it was a compare-and-swap of every agent of its own)."""
         record = json.dumps({"slots": _str_keys(slots), "ts": time.time()})
-        txn = Txn(success=[Put(self.keys.gen_join(self.epoch, gen, node), record),
+        noticed = [Txn(compare=[Compare.absent(notice[0])], success=[Put(*notice)])] if notice else []
+        txn = Txn(success=[Put(self.keys.gen_join(self.epoch, gen, node), record), *noticed,
                            Get(self.keys.gen_plan(self.epoch, gen)), Get(self.keys.gen_store(self.epoch, gen)),
                            Range(self.keys.gen_losts(self.epoch, gen)),
                            Range(self.keys.gen_members(self.epoch), limit=head_limit)])
         result = self.store.txn(txn)
-        _, plan, store, lost, head = result.results
+        plan, store, lost, head = result.results[1 + len(noticed):]
         members = self.keys.gen_members(self.epoch)
         return JoinView(result.revision, _plan(plan), _text(store),
                         {RunKeys.tail(kv.key, self.keys.gen_losts(self.epoch, gen)) for kv in lost},

@@ -9,11 +9,14 @@ over needs no message of its own:
   declares the gone ones lost, and closes the round with one compare-and-swap;
 * the **deputy**, the next node in that order: probes the coordinator alone; when the coordinator
   is lost it declares it so, which makes the deputy the coordinator;
-* every other node waits for the plan; after ``takeover_s`` without one (coordinator and deputy
-  both gone, a double fault) it probes the two itself, so a round never hangs on them.
+* the **reserves**, the next two nodes: after ``takeover_s`` without a plan (coordinator and
+  deputy both gone, a double fault) they probe the two themselves, so a round does not hang on them;
+* every other node waits for the plan: it reads nothing and probes no one.  (When every node took
+  over after ``takeover_s``, a round slowed by a loaded host turned into every agent reading every
+  node record: ~1 M records at 1,024 nodes, and etcd timed out; benchmarks/control_plane.py.)
 
-The probe is the agent's (``probe(node) -> reason``, "" while the node may only be slow), so
-this module stays free of sockets and is tested on the in-memory store.
+The probe is the agent's (``probe(nodes) -> {node: reason}``, "" while a node may only be slow),
+so this module stays free of sockets and is tested on the in-memory store.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from elastic.control.generations import GenerationFailed, Generations, Plan, Rou
 from elastic.control.keys import RunKeys
 from elastic.control.store import WatchEvent
 
-Probe = Callable[[str], str]
+Probe = Callable[[list[str]], dict[str, str]]
 Emit = Callable[..., Any]
 
 
@@ -41,12 +44,18 @@ class NodeRound:
     def __init__(self, gens: Generations, node: str, gen: int, slots: dict[int, int], previous: Plan | None,
                  probe: Probe, timeout_s: float, on_lost: Callable[[str, str], None] = lambda node, why: None,
                  emit: Emit = lambda kind, **fields: None, poll_s: float = 0.2, takeover_s: float = 5.0,
-                 clock: Callable[[], float] = time.monotonic, stopped: Callable[[], bool] = lambda: False) -> None:
+                 clock: Callable[[], float] = time.monotonic, stopped: Callable[[], bool] = lambda: False,
+                 notice: tuple[str, str] | None = None, reprobe_s: float = 1.0) -> None:
         self.gens, self.node, self.gen, self.slots = gens, node, gen, slots
         self.previous = previous
         self.probe, self.on_lost, self.emit = probe, on_lost, emit
         self.timeout_s, self.poll_s, self.takeover_s, self.clock = timeout_s, poll_s, takeover_s, clock
         self.stopped = stopped  # the attempt ended (workers stopped, run over): the round is moot
+        self.notice = notice  # the run's note of the fault, written with the join (Generations.join_node)
+        # A node that has not joined is probed at the first poll (a lost node refuses at once), then
+        # once a reprobe_s: probing every node every poll made the coordinator connect to ~1,000
+        # slow-but-alive agents five times a second while they joined.
+        self.reprobe_s = reprobe_s
         self.gone = set(previous.gone) if previous else set()
         self.state = RoundState(0)
         self.head: list[str] = []
@@ -54,6 +63,7 @@ class NodeRound:
         self._stream: _Stream | None = None
         self._base = gens.keys.generation(gens.epoch, gen)
         self._roster: Roster | None = None  # the coordinator's: generation 0, read once
+        self._next_probe: dict[str, float] = {}  # the coordinator's: when to probe a node not joined again
         self._started = 0.0
         self.role = ""
 
@@ -92,8 +102,9 @@ class NodeRound:
             stream.close()
 
     def _join(self) -> None:
-        self._head_limit = len(self.gone) + 3  # enough for a coordinator and a deputy past the gone ones
-        view = self.gens.join_node(self.gen, self.node, self.slots, self._head_limit)
+        self._head_limit = len(self.gone) + 4  # coordinator, deputy and two reserves past the gone ones
+        view = self.gens.join_node(self.gen, self.node, self.slots, self._head_limit, self.notice)
+        self.emit("round.joined", gen=self.gen, since_s=round(self.clock() - self._started, 3))
         if not view.head:
             raise GenerationFailed(f"generation {self.gen}: no node registered generation 0 of epoch {self.gens.epoch}")
         self.state = RoundState(view.revision, {}, set(view.lost), view.plan, view.store)
@@ -123,18 +134,18 @@ class NodeRound:
         elif len(leaders) > 1 and leaders[1] == self.node:
             self._set_role("deputy")
             self._probe_each([leaders[0]])
-        elif self.clock() - self._started >= self.takeover_s:
-            self._set_role("takeover")
+        elif self.node in leaders[2:] and self.clock() - self._started >= self.takeover_s:
+            self._set_role("reserve")
             self._probe_each(leaders[:2])
 
     def _leaders(self) -> list[str]:
-        """The coordinator and the deputy: the first two nodes of the roster not gone or lost."""
+        """Coordinator, deputy and the two reserves: the first nodes of the roster not gone or lost."""
         out = [n for n in self.head if n not in self.gone and n not in self.state.lost]
-        if len(out) < 2 and len(self.head) >= self._head_limit:
+        if len(out) < 4 and len(self.head) >= self._head_limit:
             self._head_limit *= 2  # the head read ran out of live nodes: read further
             self.head = self.gens.head(self._head_limit)
             out = [n for n in self.head if n not in self.gone and n not in self.state.lost]
-        return out[:2]
+        return out[:4]
 
     def _set_role(self, role: str) -> None:
         if role != self.role:
@@ -142,10 +153,8 @@ class NodeRound:
             self.emit("round.role", gen=self.gen, role=role, since_s=round(self.clock() - self._started, 3))
 
     def _probe_each(self, nodes: list[str]) -> None:
-        for node in nodes:
-            if node in self.state.lost or node == self.node:
-                continue
-            reason = self.probe(node)
+        nodes = [n for n in nodes if n not in self.state.lost and n != self.node]
+        for node, reason in sorted(self.probe(nodes).items()) if nodes else []:
             if reason:
                 self._declare_lost(node, reason)
 
@@ -161,8 +170,11 @@ class NodeRound:
             self._read_round()
         # Live nodes join within a fraction of a second of the fault: probing before one poll passed
         # would connect to nearly every node of the run for nothing.
-        if self.clock() - self._started >= self.poll_s:
-            suspects = sorted(self._expected() - set(self.state.joined) - self.state.lost - {self.node})
+        now = self.clock()
+        if now - self._started >= self.poll_s:
+            suspects = sorted(n for n in self._expected() - set(self.state.joined) - self.state.lost - {self.node}
+                              if self._next_probe.get(n, 0.0) <= now)
+            self._next_probe.update(dict.fromkeys(suspects, now + self.reprobe_s))
             self._probe_each(suspects)
         self._try_close()
 

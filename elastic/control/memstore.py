@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from elastic.control.store import KeyValue, LeaseExpired, StoreTimeout, WatchEvent
-from elastic.control.txn import Count, Get, Put, Range, Txn, TxnResult
+from elastic.control.txn import Compare, Count, Delete, Get, Put, Range, Txn, TxnResult
 
 
 class FakeClock:
@@ -104,23 +104,37 @@ class MemoryStore:
             return self._kvs.get(key), self._revision
 
     def txn(self, txn: Txn) -> TxnResult:
-        """Transactions without compares (Put, Get, Range and Count), atomically, in order: what
-        :meth:`RunState.signals` and a node's generation join send.  Compares are not modelled."""
-        if txn.compare or txn.failure or any(not isinstance(op, (Put, Get, Range, Count)) for op in txn.success):
-            raise NotImplementedError("MemoryStore models transactions without compares only")
+        """One transaction, atomically: its compares, then Put, Get, Range, Count and nested
+        transactions in order (what :meth:`RunState.signals` and a node's generation join send)."""
         with self._cond:
             self._expire()
-            results = [self._op(op) for op in txn.success]
-            return TxnResult(True, self._revision, results)
+            return self._txn(txn)
 
-    def _op(self, op: Put | Get | Range | Count) -> object:
+    def _txn(self, txn: Txn) -> TxnResult:
+        ok = all(self._holds(c) for c in txn.compare)
+        return TxnResult(ok, self._revision, [self._op(op) for op in (txn.success if ok else txn.failure)])
+
+    def _holds(self, compare: Compare) -> bool:
+        kv = self._kvs.get(compare.key)
+        actual: int | bytes = {"version": kv.version if kv else 0, "create": kv.create_revision if kv else 0,
+                               "mod": kv.mod_revision if kv else 0, "value": kv.value if kv else b""}[compare.target]
+        expected = compare.value.encode() if isinstance(compare.value, str) else compare.value
+        return {"=": actual == expected, "!=": actual != expected, "<": actual < expected,  # type: ignore[operator]
+                ">": actual > expected}[compare.op]  # type: ignore[operator]
+
+    def _op(self, op: Put | Get | Range | Count | Delete | Txn) -> object:
         if isinstance(op, Put):
             return self._write(op.key, op.value, op.lease)
         if isinstance(op, Get):
             return self._kvs.get(op.key)
         if isinstance(op, Range):
             return self._in(op.prefix, op.limit)
-        return len(self._in(op.prefix))
+        if isinstance(op, Count):
+            return len(self._in(op.prefix))
+        if isinstance(op, Delete):
+            keys = [k for k in self._kvs if k.startswith(op.key)] if op.prefix else [op.key]
+            return sum(self._delete(k) for k in keys)
+        return self._txn(op)
 
     def _in(self, prefix: str, limit: int = 0) -> list[KeyValue]:
         found = [self._kvs[k] for k in sorted(self._kvs) if k.startswith(prefix)]

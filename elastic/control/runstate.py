@@ -191,6 +191,13 @@ class RunState:
     def nodes(self) -> dict[str, dict[str, Any]]:
         return self._records(self.keys.nodes)
 
+    def node_records(self, nodes: list[str]) -> dict[str, tuple[dict[str, Any] | None, dict[str, Any] | None]]:
+        """Each node's record and roster entry, in one transaction (for a few nodes; :meth:`nodes`
+        and :meth:`members` read every node's)."""
+        ops = [Get(key) for node in nodes for key in (self.keys.node(node), self.keys.member(node))]
+        found = self.store.txn(Txn(success=ops)).results
+        return {node: (decode(found[2 * i]), decode(found[2 * i + 1])) for i, node in enumerate(nodes)}
+
     def put_heartbeat(self, node_id: str, record: dict[str, Any], lease: int | None = None) -> None:
         self._put(self.keys.heartbeat(node_id), record, lease)
 
@@ -232,9 +239,14 @@ class RunState:
         """The first agent to notice a fault in ``epoch`` (generation ``gen`` of an in-process
         re-formation) records the step its workers stood at (create-only: the others' notices are
         the same fault)."""
-        body = json.dumps({"epoch": epoch, "gen": gen, "step": step, "by": by, "kind": kind, "ts": self.clock()})
-        ok, _ = self.store.compare_and_swap(self.keys.noticed(epoch, gen), body, 0)
+        ok, _ = self.store.compare_and_swap(*self.notice(epoch, step, by, kind, gen), 0)
         return ok
+
+    def notice(self, epoch: int, step: int | None, by: str, kind: str, gen: int = 0) -> tuple[str, str]:
+        """The key and record of :meth:`notice_fault`, for a caller that writes it inside a transaction
+        of its own (create-only there too: a node's generation join)."""
+        body = json.dumps({"epoch": epoch, "gen": gen, "step": step, "by": by, "kind": kind, "ts": self.clock()})
+        return self.keys.noticed(epoch, gen), body
 
     def noticed(self, epoch: int) -> dict[str, Any] | None:
         """The newest fault noticed in ``epoch`` (its latest generation)."""
