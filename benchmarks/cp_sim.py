@@ -2,18 +2,25 @@
 
 One process hosts a slice of a run's nodes.  A node is its agent -- a real
 :class:`~elastic.agent.supervise.Supervisor` with real :class:`~elastic.agent.inprocess.InProcessWorkers`,
-fed the reports its workers would send -- and its ranks, real
-:class:`~elastic.worker.inprocess.InProcess` objects, each a thread at a fault.  What is simulated:
-the processes (no torch process group, no training), the collective error that tells a rank its
-peer is gone (every surviving rank starts its re-formation at the fault's time), the warm spare
-(a new ``InProcess`` that joins the next generation for the dead slot) and the agent's snapshot
-store (a listening socket per node that the probes connect to, closed when the node is lost) and
-the local channel between an agent and its workers (``--rank-threads node`` runs a node's ranks
-one after the other in one thread, to spare a 2-core host thousands of threads; they do no etcd
-I/O, so etcd sees the same requests): a rank's requests to its agent (the
-RoundBoard's wait, the snapshot list its restore looks at) are calls into the agent's objects, not
-a loopback TCP message each.  The new rank 0 publishes its (fake) c10d store address, as it does.
-Every store of a node shares one :class:`~elastic.control.store.StoreMeter`: figures are per node.
+fed the reports its workers would send -- and its ranks, each the real worker-side
+:class:`~elastic.worker.generation.GenerationClient` (what ``InProcess.reform`` calls for the round;
+no torch, so a host can run many of these processes: 1,024 concurrent joins took 6.5 s from 8
+processes of threads and 2.7 s from 32, measured).  What is simulated:
+
+* the processes: no torch process group, no training, no restore;
+* the collective error that tells a rank its peer is gone: every surviving rank starts its
+  re-formation at the fault's time;
+* the warm spare: a new ``GenerationClient`` that joins the next generation for the dead slot;
+* the agent's snapshot store: a listening socket per node that the probes connect to, closed when
+  the node is lost;
+* the local channel between an agent and its workers: a rank's wait on its agent's RoundBoard is a
+  call into the agent's objects, not a loopback TCP message (it costs etcd nothing).
+  ``--rank-threads node`` runs a node's ranks one after the other in one thread, to spare a 2-core
+  host thousands of threads; ranks do no etcd I/O but the new rank 0's one put, so etcd sees the
+  same requests.
+
+The new rank 0 publishes its (fake) c10d store address, as it does.  Every store of a node shares
+one :class:`~elastic.control.store.StoreMeter`: figures are per node.
 
 Driven over stdin by the parent (``python benchmarks/cp_sim.py --child ...``)::
 
@@ -25,6 +32,7 @@ Driven over stdin by the parent (``python benchmarks/cp_sim.py --child ...``)::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import selectors
@@ -53,7 +61,7 @@ from elastic.common.events import EventLog  # noqa: E402
 from elastic.control.keys import RunKeys  # noqa: E402
 from elastic.control.runstate import RunState  # noqa: E402
 from elastic.control.store import EtcdStore, StoreMeter  # noqa: E402
-from elastic.worker.inprocess import InProcess  # noqa: E402
+from elastic.worker.generation import GenerationClient  # noqa: E402
 
 STEP = 10
 """The step every rank stands at when a fault hits (snapshots of STEP-1 and STEP are held)."""
@@ -155,7 +163,8 @@ class SimNode:
                               NodeRecords(self.state, self.node_id, self.events, lambda: None), None,  # type: ignore[arg-type]
                               threading.Event(), lambda: "running")
         self.sup.workers = self.workers
-        self.ranks: dict[int, InProcess] = {local: self._rank(local) for local in range(args.rpn)}
+        self.ranks: dict[int, GenerationClient] = {local: self._rank(local) for local in range(args.rpn)}
+        self.rank_of: dict[int, int] = {local: index * args.rpn + local for local in range(args.rpn)}
         self.alive = True
         self._pid = 1_000_000 + index * 1000
 
@@ -164,23 +173,21 @@ class SimNode:
         store.meter = self.meter
         return store
 
-    def _rank(self, local: int, join_gen: int | None = None) -> InProcess:
+    def _rank(self, local: int, join_gen: int | None = None) -> GenerationClient:
         env = WorkerEnv(node_id=self.node_id, run_id="bench", etcd_endpoint=self.args.endpoint,
                         run_prefix=self.args.prefix, epoch="0", inprocess=f"{self.args.join_timeout:g}",
                         snapshots="1", join_gen=str(join_gen) if join_gen is not None else "")
-        inproc = InProcess(env, local, EventLog(None, f"rank-{self.node_id}-{local}"))
-        inproc.gens.store.meter = self.meter
-        inproc.client = LocalChannel(self.workers.board, self._metas())  # type: ignore[assignment]
-        return inproc
+        client = GenerationClient(env, local, LocalChannel(self.workers.board, self._metas()))
+        client.gens.store.meter = self.meter
+        return client
 
     # -- set-up: the run as torchrun formed it ---------------------------------------------------
     def setup(self) -> None:
         self.state.put_node(self.node_id, {"node": self.node_id, "memstate": {"addr": self.addr, "token": "t"}})
         self.state.set_member(self.node_id, "joined")
-        for local, inproc in self.ranks.items():
-            inproc.register(self.index * self.rpn + local)
+        for local in self.ranks:
             self.workers.observe({"type": "step", "local_rank": local, "pid": self._next_pid(),
-                                  "rank": inproc.rank, "step": STEP, "gen": 0})
+                                  "rank": self.rank_of[local], "step": STEP, "gen": 0})
         self.workers.detached = True  # torchrun retired: the agent supervises its workers
         self.workers.register()
 
@@ -215,25 +222,27 @@ class SimNode:
         _sleep_until(t0)
         for local in survivors:
             report = {"type": "fault", "gen": gen, "step": STEP, "local_rank": local,
-                      "pid": self.workers.pids[local], "rank": self.ranks[local].rank, "error": "peer lost"}
+                      "pid": self.workers.pids[local], "rank": self.rank_of[local], "error": "peer lost"}
             self.sup._on_report(report, None, 0)  # type: ignore[arg-type]
         self.workers.join_wanted()  # what the supervisor loop's poll() does once every slot lives
 
-    def _reform(self, t0: float, inproc: InProcess, results: list[dict]) -> None:
+    def _reform(self, t0: float, rank: GenerationClient, results: list[dict]) -> None:
+        """What ``InProcess.reform`` does with the control plane: the plan from the agent, then the new
+        rank 0 publishes its c10d store's address and every other rank hears it from its agent."""
         _sleep_until(t0)
         try:
-            plan = inproc.next_plan()
+            plan = rank.next_plan()
             held = time.time()
-            inproc.gen, inproc.plan, inproc.rank = plan.gen, plan, plan.rank_of(inproc.old_rank)
-            if inproc.rank == 0:  # InProcess._store: rank 0 serves the new c10d store and says where
-                inproc.gens.put_store(plan.gen, "127.0.0.1:1")
+            new_rank = rank.rank_in(plan)
+            if new_rank == 0:
+                rank.publish_store(plan.gen, "127.0.0.1:1")
             else:
-                inproc._from_agent(plan.gen, "store")
-            stored = time.time()
-            inproc._offers()  # the restore's look at what the agent holds for lost nodes
-            results.append({"plan": held, "store": stored, "restore": time.time()})
+                rank.store_address(plan.gen)
+            rank.adopt(plan)
+            self.rank_of[rank.slot.local_rank] = new_rank
+            results.append({"plan": held, "store": time.time()})
         except Exception as exc:  # noqa: BLE001 - reported to the parent, which fails the round
-            results.append({"error": f"{self.node_id}/{inproc.slot.local_rank}: {type(exc).__name__}: {exc}"[:300]})
+            results.append({"error": f"{self.node_id}/{rank.slot.local_rank}: {type(exc).__name__}: {exc}"[:300]})
 
     def _metas(self) -> list[SnapMeta]:
         """What this agent's store holds at the fault: its slots' snapshots of the last two steps and
@@ -338,6 +347,42 @@ class Host:
         return {"meter": {k: stop[k] - start[k] for k in start}, "agents": len(threads)}
 
 
+class Sampler:
+    """``CP_SIM_PROFILE=1``: where this process's threads stand, sampled every 10 ms during a round
+    (the innermost frame of this repository's code or of the library it called): what a round costs
+    the simulation itself, printed to stderr."""
+
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = {}
+        self._stop = threading.Event()
+
+    def __enter__(self) -> Sampler:
+        threading.Thread(target=self._run, name="sampler", daemon=True).start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        top = sorted(self.counts.items(), key=lambda kv: -kv[1])[:25]
+        print("SAMPLES " + json.dumps(top), file=sys.stderr, flush=True)
+
+    def _run(self) -> None:
+        me = threading.get_ident()
+        while not self._stop.wait(0.01):
+            for ident, frame in sys._current_frames().items():
+                if ident != me:
+                    self.counts[_where(frame)] = self.counts.get(_where(frame), 0) + 1
+
+
+def _where(frame: Any) -> str:
+    f = frame
+    while f is not None:
+        code = f.f_code
+        if "/elastic/" in code.co_filename or "/benchmarks/" in code.co_filename:
+            return f"{Path(code.co_filename).name}:{f.f_lineno} {code.co_name} <- {frame.f_code.co_name}"
+        f = f.f_back
+    return f"{Path(frame.f_code.co_filename).name}:{frame.f_lineno} {frame.f_code.co_name}"
+
+
 def _deltas(before: list[dict[str, int]], after: list[dict[str, int]]) -> list[dict[str, int]]:
     return [{k: a[k] - b[k] for k in a} for b, a in zip(before, after)]
 
@@ -352,7 +397,9 @@ def child_main(args: argparse.Namespace) -> int:
         verb, *rest = line.split()
         if verb == "ROUND":
             kind, t0, victim, *local = rest
-            out = host.round(kind, float(t0), int(victim), int(local[0]) if local else None)
+            profile = Sampler() if os.environ.get("CP_SIM_PROFILE") else contextlib.nullcontext()
+            with profile:
+                out = host.round(kind, float(t0), int(victim), int(local[0]) if local else None)
         elif verb == "IDLE":
             out = host.idle(*(float(x) for x in rest))
         else:

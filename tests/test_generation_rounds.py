@@ -196,3 +196,39 @@ def test_a_node_reads_small_records_only():
     out = _rounds(gens, 1, [f"n{i}" for i in range(8)], Probes(), roster=_roster(8))
     assert _one_plan(out).world == 16
     assert reads == {KEYS.gen_members(0): 1, KEYS.generation(0, 1): 1}  # the coordinator's two reads
+
+
+def test_a_worker_learns_its_generation_from_its_agent_only():
+    """The worker side (GenerationClient): the plan and this slot's old rank from the agent's board,
+    the spare included; a failed round or no channel is RecoveryUnavailable (a restart from disk)."""
+    from elastic.checkpoint.memstate import MemStateRejected, RoundBoard
+    from elastic.common.env import WorkerEnv
+    from elastic.worker.generation import GenerationClient, RecoveryUnavailable
+
+    board = RoundBoard()
+
+    class Channel:
+        def round_wait(self, epoch, gen, name, timeout_s):
+            reply = board.wait(epoch, gen, name, timeout_s)
+            if not reply["ok"]:
+                raise MemStateRejected(reply["error"])
+            return reply["value"]
+
+    env = WorkerEnv(node_id="n1", run_prefix="/elastic/runs/w", epoch="0", inprocess="0.5",
+                    etcd_endpoint="127.0.0.1:1")
+    plan = plan_next(1, _roster(2), None, {"n1": {0: 2, 1: 3}}, {"n0"})
+    board.post(0, 1, "plan", {"plan": json.loads(plan.to_json()), "slots": {"0": 2, "1": 3}})
+    board.post(0, 1, "store", "10.0.0.1:5")
+    survivor = GenerationClient(env, 1, Channel())
+    got = survivor.next_plan()
+    assert got == plan and survivor.old_rank == 3 and survivor.rank_in(got) == 1
+    assert survivor.store_address(1) == "10.0.0.1:5"
+    survivor.adopt(got)
+    assert survivor.gen == 1 and survivor.lost_nodes() == {"n0"}
+    spare = GenerationClient(WorkerEnv(**{**env.__dict__, "join_gen": "1"}), 0, Channel())
+    assert spare.joining and spare.rank_in(spare.next_plan()) == 0  # the dead worker's rank, from the agent
+    board.fail(0, 2, ("plan", "store"), "generation 2: no plan within 60s")
+    with pytest.raises(RecoveryUnavailable, match="no plan within"):
+        survivor.next_plan()
+    with pytest.raises(RecoveryUnavailable, match="no agent channel"):
+        GenerationClient(env, 0, None).next_plan()

@@ -2,9 +2,9 @@
 member killed mid-round.
 
 Each node is the real agent side (InProcessWorkers: its round thread, probe, memory store and the
-RoundBoard behind it) and eight real worker-side InProcess objects that learn the plan, then the new
-c10d store's address, over the local channel (a TCP request to their agent's memory store); no
-process groups, no training.
+RoundBoard behind it) and eight real worker-side GenerationClients (what InProcess.reform calls)
+that learn the plan, then the new c10d store's address, over the local channel (a TCP request to
+their agent's memory store); no process groups, no training.
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ from elastic.control.etcd_cluster import EtcdCluster
 from elastic.control.keys import RunKeys
 from elastic.control.runstate import RunState
 from elastic.control.store import EtcdStore
-from elastic.worker.inprocess import InProcess
+from elastic.checkpoint.memclient import MemStateClient
+from elastic.worker.generation import GenerationClient
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -86,18 +87,15 @@ class Node:
         self.workers.register()
         self.ranks = [self._rank(endpoints, local) for local in range(RPN)] if self.memstate else []
 
-    def _rank(self, endpoints: str, local: int) -> InProcess:
+    def _rank(self, endpoints: str, local: int) -> GenerationClient:
         assert self.memstate is not None
         env = WorkerEnv(node_id=self.node_id, run_id="round16", etcd_endpoint=endpoints, run_prefix=PREFIX,
-                        epoch="0", inprocess="60", snapshots="1", memstate_addr=self.memstate.addr,
-                        memstate_token=self.memstate.token)
-        inproc = InProcess(env, local, EventLog(None, "rank"))
-        inproc.register(self.workers.ranks[local])
-        return inproc
+                        epoch="0", inprocess="60", snapshots="1")
+        return GenerationClient(env, local, MemStateClient(self.memstate.addr, self.memstate.token, 30.0))
 
     def fault(self, results: list) -> list[threading.Thread]:
         """The workers' collectives failed: they report it and wait for the plan; the agent joins."""
-        threads = [threading.Thread(target=self._reform, args=(inproc, results)) for inproc in self.ranks]
+        threads = [threading.Thread(target=self._reform, args=(rank, results)) for rank in self.ranks]
         for thread in threads:
             thread.start()
         for local in range(RPN):
@@ -107,17 +105,17 @@ class Node:
         return threads
 
     @staticmethod
-    def _reform(inproc: InProcess, results: list) -> None:
+    def _reform(client: GenerationClient, results: list) -> None:
         try:
-            plan = inproc.next_plan()
-            rank = plan.rank_of(inproc.old_rank)
+            plan = client.next_plan()
+            rank = client.rank_in(plan)
             if rank == 0:  # as InProcess._store: the new rank 0 says where the generation's c10d store is
-                inproc.gens.put_store(plan.gen, "127.0.0.1:29999")
+                client.publish_store(plan.gen, "127.0.0.1:29999")
             else:
-                assert inproc._from_agent(plan.gen, "store") == "127.0.0.1:29999"
-            results.append((inproc.slot, plan, rank))
+                assert client.store_address(plan.gen) == "127.0.0.1:29999"
+            results.append((client.slot, plan, rank))
         except Exception as exc:  # noqa: BLE001 - the test reports every failed rank
-            results.append((inproc.slot, exc, None))
+            results.append((client.slot, exc, None))
 
     def close(self) -> None:
         if self.memstate is not None:

@@ -80,9 +80,21 @@ class NodeRound:
                 raise GenerationFailed(self._timeout_text())
             if self.stopped():
                 raise GenerationFailed(f"generation {self.gen}: this node's attempt ended during the round")
-            self._receive(min(self.poll_s, remaining))
+            self._receive(min(self._wait_s(), remaining))
         self._check_self()
         return self.state.plan
+
+    def _wait_s(self) -> float:
+        """How long to wait for the round's next event: a poll for those that probe; the others have
+        nothing to do until an event comes (a lost record, the plan), so they only look up now and
+        then whether their attempt ended.  (1,024 round threads of a simulation waking five times a
+        second kept a 2-core host's run queue long: benchmarks/control_plane.py.)"""
+        if self.role in ("coordinator", "deputy", "reserve"):
+            return self.poll_s
+        leaders = [n for n in self.head if n not in self.gone and n not in self.state.lost][:4]
+        if self.node in leaders[2:]:  # a reserve: its turn comes at takeover_s
+            return max(self.poll_s, self._started + self.takeover_s - self.clock())
+        return max(self.poll_s, 1.0)
 
     def wait_store(self, timeout_s: float) -> str:
         """Where the new generation's c10d store listens, once its rank 0 published it."""

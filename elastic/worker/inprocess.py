@@ -44,14 +44,10 @@ from elastic.common.env import WorkerEnv
 from elastic.common.events import EventLog
 from elastic.common.exits import EXIT_RECOVERY_FAILED
 from elastic.common.peers import is_peer_lost
-from elastic.control.generations import Generations, Plan, Slot
-from elastic.control.keys import RunKeys
-from elastic.control.store import EtcdStore, StoreError
+from elastic.control.generations import Plan, Slot
+from elastic.control.store import StoreError
+from elastic.worker.generation import GenerationClient, RecoveryUnavailable
 
-
-
-class RecoveryUnavailable(RuntimeError):
-    """In-process recovery cannot proceed; the run falls back to a restart from disk."""
 
 
 def is_peer_failure(exc: BaseException) -> bool:
@@ -92,20 +88,16 @@ class InProcess:
         self.slot = Slot(env.node_id, local_rank)
         self.epoch = int(env.epoch or 0)
         self.join_timeout_s = float(env.inprocess)
-        self.gens = Generations(EtcdStore(env.etcd_endpoint, request_timeout=2.0, retry_deadline=10.0),
-                                RunKeys(env.run_prefix), self.epoch)
         self.client = (MemStateClient(env.memstate_addr, env.memstate_token, 30.0, keep_alive=True)
                        if env.memstate_addr else None)
+        self.round = GenerationClient(env, local_rank, self.client)  # the rounds, over the local channel
         self.ring = SnapshotRing()
         self.snapshots_on = env.snapshots != "0"
         self.ab_block = int(env.snapshots[3:]) if env.snapshots.startswith("ab:") else 0
         self.costs = SnapshotCosts()
         self._pending_capture = False  # a deferred capture not yet waited for (captured())
         self.pusher = SnapshotPusher(self.client, env.node_id, local_rank, self.epoch, events) if self.client else None
-        self.gen = int(env.join_gen) if env.join_gen else 0
         self.rank = -1
-        self.old_rank = -1  # this slot's rank in the generation before self.plan's
-        self.plan: Plan | None = None
         self.phases: dict[str, float] = {}  # the last re-formation's (PhaseClock)
         self.exact: tuple[bool, str] = (True, "")  # the last restore: bitwise the pre-fault state? (why not)
 
@@ -119,7 +111,20 @@ class InProcess:
     @property
     def joining(self) -> bool:
         """This process is a spare taking over a dead worker's slot (it joins a generation directly)."""
-        return bool(self.env.join_gen)
+        return self.round.joining
+
+    @property
+    def gen(self) -> int:
+        return self.round.gen
+
+    @property
+    def plan(self) -> Plan | None:
+        return self.round.plan
+
+    @property
+    def old_rank(self) -> int:
+        """This slot's rank in the generation before :attr:`plan`'s."""
+        return self.round.old_rank
 
     # -- every step ------------------------------------------------------------------
     def register(self, rank: int) -> None:
@@ -197,34 +202,16 @@ class InProcess:
             self.events.emit("recovery.severed", connections=shut, gen=self.gen)
             dist.destroy_process_group()
         clock.lap("teardown_s")
-        plan = self.next_plan()
+        plan = self.round.next_plan()
         clock.lap("generation_s")
         if plan.nodes < min_nodes:
             raise RecoveryUnavailable(f"generation {plan.gen} has {plan.nodes} nodes; the run needs at least "
                                       f"{min_nodes} (launch.nodes): restarting from the disk checkpoint")
         self._init_group(plan, backend, pg_timeout)
         clock.lap("process_group_s")
-        self.gen, self.plan, self.phases = plan.gen, plan, clock.laps
+        self.round.adopt(plan)
+        self.phases = clock.laps
         return plan
-
-    def next_plan(self) -> Plan:
-        """The control-plane part of a re-formation: the next generation's plan, from this node's agent
-        (which joins the round for its node), and this slot's rank before it (``old_rank``).  No
-        process group is touched, so ``benchmarks/control_plane.py`` drives it for thousands of ranks."""
-        target = self.gen + (0 if self.joining and self.plan is None else 1)
-        reply = self._from_agent(target, "plan")
-        plan = Plan.from_record(reply["plan"])
-        self.old_rank = int(reply["slots"].get(str(self.slot.local_rank), -1))
-        return plan
-
-    def _from_agent(self, gen: int, name: str) -> dict[str, Any]:
-        """What the agent posted for generation ``gen`` (elastic.checkpoint.memstate.RoundBoard)."""
-        if self.client is None:
-            raise RecoveryUnavailable("no agent channel (memory store) to learn the next generation from")
-        try:
-            return self.client.round_wait(self.epoch, gen, name, self.join_timeout_s)
-        except MemStateError as exc:
-            raise RecoveryUnavailable(f"generation {gen}: {exc}") from exc
 
     def _keep_ports(self) -> set[int]:
         """The etcd and memory-store ports: the connections recovery itself needs."""
@@ -232,10 +219,7 @@ class InProcess:
         return {int(a.rpartition(":")[2]) for a in addrs if a.rpartition(":")[2].isdigit()}
 
     def _init_group(self, plan: Plan, backend: str, pg_timeout: timedelta) -> None:
-        rank = plan.rank_of(self.old_rank)
-        if rank is None:
-            raise RecoveryUnavailable(f"slot {self.slot.key()} (rank {self.old_rank}) is not in generation {plan.gen}")
-        self.rank = rank
+        rank = self.rank = self.round.rank_in(plan)
         store = self._store(plan, rank)
         dist.init_process_group(backend, store=store, rank=rank, world_size=plan.world, timeout=pg_timeout)
 
@@ -245,9 +229,9 @@ class InProcess:
         if rank == 0:
             store = dist.TCPStore(self.env.local_addr or "127.0.0.1", 0, plan.world, True,
                                   timedelta(seconds=self.join_timeout_s), wait_for_workers=False)
-            self.gens.put_store(plan.gen, f"{self.env.local_addr or '127.0.0.1'}:{store.port}")
+            self.round.publish_store(plan.gen, f"{self.env.local_addr or '127.0.0.1'}:{store.port}")
             return store
-        host, _, port = str(self._from_agent(plan.gen, "store")).rpartition(":")
+        host, _, port = self.round.store_address(plan.gen).rpartition(":")
         return dist.TCPStore(host, int(port), plan.world, False, timedelta(seconds=self.join_timeout_s))
 
     # -- restore ------------------------------------------------------------------------------
@@ -306,9 +290,7 @@ class InProcess:
         return offers
 
     def _lost_nodes(self) -> set[str]:
-        """The nodes this generation formed without: the plan names them (no etcd read)."""
-        assert self.plan is not None
-        return set(self.plan.lost)
+        return self.round.lost_nodes()
 
     def _agent_metas(self) -> list:
         if self.client is None:
