@@ -10,6 +10,7 @@ in for workers and spares; the in-memory store stands in for etcd (no etcd call 
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -24,7 +25,7 @@ from elastic.agent.inprocess import UNKNOWN_EXIT, InProcessWorkers
 from elastic.common.env import WorkerEnv
 from elastic.common.events import EventLog, read_events
 from elastic.common.procs import NotOurChild, reap
-from elastic.control.generations import Slot
+from elastic.control.generations import Plan
 from elastic.control.keys import RunKeys
 from elastic.control.memstore import MemoryStore
 from elastic.control.runstate import RunState
@@ -195,17 +196,46 @@ def test_torchrun_without_workers_is_still_in_its_rendezvous(tmp_path):
             proc.wait()
 
 
-def test_probes_suspect_only_nodes_still_training_that_did_not_join(slots):
-    """A node whose slot joined the generation is alive; one that left the roster cleanly finished
-    (its closed store is no loss); the rest are probed."""
+def test_a_round_probe_spares_nodes_that_left_cleanly_and_reads_once(slots):
+    """A node that left the roster cleanly finished (its closed store is no loss); a node without a
+    record is gone; the round's probe reads the node records and the roster once."""
     workers, _, _, _ = slots
-    gens, state = workers.gens, workers.state
-    for rank, node in enumerate(["node0", "node1", "node2", "node3"]):
-        gens.register(Slot(node, 0), rank)
+    state = workers.state
+    for node in ("node0", "node1", "node2", "node3"):
         state.set_member(node, "joined")
     state.set_member("node3", "SUCCEEDED")
-    gens.join(1, Slot("node1", 0))
-    assert workers._suspects(1) == ["node2"]
+    probe = workers._prober(1)
+    assert probe(["node3"]) == {"node3": ""}
+    assert "record is gone" in probe(["node2"])["node2"]
+    state.put_node("node2", {"memstate": {"addr": "127.0.0.1:1"}})
+    assert "record is gone" in probe(["node2"])["node2"]  # read once a round: the record came too late for it
+    many = workers._prober(2)(["node0", "node1", "node2", "node3"] + [f"extra{i}" for i in range(8)])
+    assert "refuses" in many["node2"] and many["node3"] == "" and "record is gone" in many["extra0"]
+
+
+def test_a_node_joins_the_round_for_its_slots_once_every_slot_lives(slots):
+    """Fault reports and a worker's wait ask for the round; the agent joins once, with every local
+    slot and its rank, and hands the plan to the board its workers wait on."""
+    workers, _, _, _ = slots
+    gens = workers.gens
+    workers.ranks = {0: 0, 1: 1}
+    workers.pids = {0: 101, 1: 102}
+    workers.register()
+    gens.register_node("node1", {0: 2, 1: 3})
+    workers.observe({"type": "fault", "gen": 0, "step": 5, "local_rank": 0, "pid": 101})
+    workers.observe({"type": "fault", "gen": 0, "step": 5, "local_rank": 1, "pid": 102})
+    workers.join_wanted()
+    workers.join_wanted()  # one round thread per generation
+    gens.join_node(1, "node1", {0: 2, 1: 3}, head_limit=3)
+    answer = workers.board.wait(0, 1, "plan", timeout_s=10)
+    assert answer["ok"], answer
+    assert answer["value"]["slots"] == {"0": 0, "1": 1} and Plan.from_record(answer["value"]["plan"]).world == 4
+    assert workers.ranks == {0: 0, 1: 1} and workers.gen == 1
+    gens.put_store(1, "127.0.0.1:5")
+    assert workers.board.wait(0, 1, "store", timeout_s=10) == {"ok": True, "value": "127.0.0.1:5"}
+    assert json.loads(gens.store.get(gens.keys.gen_join(0, 1, "node0")).value)["slots"] == {"0": 0, "1": 1}
+    noticed = json.loads(workers.state.store.get(workers.state.keys.noticed(0, 0)).value)
+    assert noticed["by"] == "node0" and noticed["step"] == 5 and noticed["kind"] == "peer_lost"
 
 
 def test_a_loss_needs_a_refusal_a_gone_record_or_three_timeouts(slots):
@@ -222,18 +252,3 @@ def test_a_loss_needs_a_refusal_a_gone_record_or_three_timeouts(slots):
         server.bind(("127.0.0.1", 0))
         server.listen(1)
         assert workers._unreachable("node2", {"memstate": {"addr": "127.0.0.1:%d" % server.getsockname()[1]}}, {}) == ""
-
-
-def test_a_spare_joins_the_generation_its_peers_form_without_the_dead_worker(slots):
-    workers, children, _, _ = slots
-    gens = workers.gens
-    proc = _hold(workers, children, 0, "import time; time.sleep(30)")
-    workers.observe({"type": "step", "local_rank": 0, "pid": proc.pid, "step": 5, "gen": 0})
-    assert workers._join_gen(0) == 1  # it trained in generation 0: that one ended with it
-    gens.join(1, Slot("node1", 0))
-    gens.store.put(gens.keys.gen_plan(0, 1), "{}")
-    assert workers._join_gen(0) == 1  # generation 1 formed (or forms) while it died: its peers wait there
-    workers.observe({"type": "recovered", "local_rank": 0, "pid": proc.pid, "step": 5, "gen": 1})
-    assert workers._join_gen(0) == 2  # it had trained in generation 1: the next one
-    workers.observe({"type": "recovered", "local_rank": 0, "pid": proc.pid + 100000, "step": 5, "gen": 3})
-    assert workers._join_gen(0) == 2  # another process's report says nothing about the slot

@@ -1,84 +1,14 @@
-"""In-process recovery, the parts that need no processes: generation rounds on the in-memory store,
-snapshot capture/restore (same world and resharded), the agents' buddy ring, peer-loss detection."""
+"""In-process recovery, the parts that need no processes: snapshot capture/restore (same world and
+resharded), the agents' buddy ring, peer-loss detection.  Generation rounds: test_generation_rounds.py."""
 
 from __future__ import annotations
-
-import json
-import threading
 
 import pytest
 import torch
 
 from elastic.agent.inprocess import ring_successor
 from elastic.checkpoint.snapshot import SHARD, Snapshot, SnapshotRing, _full, capture, restore
-from elastic.control.generations import GenerationFailed, Generations, Plan, Slot, plan_next
-from elastic.control.keys import RunKeys
-from elastic.control.memstore import MemoryStore
 from elastic.worker.inprocess import RecoveryUnavailable, _agree, is_peer_failure
-
-KEYS = RunKeys.of("/elastic", "ip")
-
-
-def _registered(store: MemoryStore, slots: list[Slot]) -> Generations:
-    gens = Generations(store, KEYS, epoch=0)
-    for rank, slot in enumerate(slots):
-        gens.register(slot, rank)
-    return gens
-
-
-def test_plan_keeps_ranks_and_compacts_a_lost_node_in_order():
-    previous = {Slot("n0", 0): 0, Slot("n0", 1): 1, Slot("n1", 0): 2, Slot("n1", 1): 3, Slot("n2", 0): 4}
-    assert plan_next(1, previous, set(previous) - {Slot("n1", 0)}, set()) is None  # still waiting for a slot
-    same = plan_next(1, previous, set(previous), set())
-    assert same is not None and same.keeps_ranks(5) and same.member(Slot("n1", 1)).rank == 3
-    shrunk = plan_next(1, previous, set(previous), {"n1"})
-    assert [(m.slot.key(), m.rank, m.old_rank) for m in shrunk.members] == [
-        ("n0/0", 0, 0), ("n0/1", 1, 1), ("n2/0", 2, 4)]
-    assert not shrunk.keeps_ranks(5)
-    assert Plan.from_record(json.loads(shrunk.to_json())) == shrunk
-
-
-def test_round_closes_once_when_the_spare_joins_and_everyone_agrees():
-    store = MemoryStore()
-    slots = [Slot("n0", 0), Slot("n1", 0)]
-    gens = _registered(store, slots)
-    plans: list[Plan] = []
-
-    def survivor() -> None:
-        gens.join(1, slots[0], old_rank=0)
-        plans.append(gens.wait_plan(1, gens.ranks(0), timeout_s=5))
-
-    thread = threading.Thread(target=survivor)
-    thread.start()
-    gens.join(1, slots[1], old_rank=-1)  # the warm spare takes the dead worker's slot
-    plans.append(gens.wait_plan(1, gens.ranks(0), timeout_s=5))
-    thread.join(5)
-    assert len(plans) == 2 and plans[0] == plans[1] and plans[0].keeps_ranks(2)
-    assert gens.ranks(1) == {slots[0]: 0, slots[1]: 1}
-
-
-def test_a_lost_node_lets_the_round_close_without_it():
-    store = MemoryStore()
-    slots = [Slot("n0", 0), Slot("n1", 0), Slot("n2", 0)]
-    gens = _registered(store, slots)
-    gens.join(1, slots[0])
-    gens.join(1, slots[2])
-    assert gens.mark_lost(1, "n1", by="n0", reason="refused") and not gens.mark_lost(1, "n1", by="n2", reason="x")
-    plan = gens.wait_plan(1, gens.ranks(0), timeout_s=2)
-    assert plan.world == 2 and plan.member(slots[2]).rank == 1 and plan.member(slots[2]).old_rank == 2
-
-
-def test_a_round_that_cannot_complete_or_an_epoch_change_fails():
-    store = MemoryStore()
-    slots = [Slot("n0", 0), Slot("n1", 0)]
-    gens = _registered(store, slots)
-    gens.join(1, slots[0])
-    with pytest.raises(GenerationFailed, match=r"\['n1/0'\] neither joined nor were declared lost"):
-        gens.wait_plan(1, gens.ranks(0), timeout_s=0.2)
-    store.put(KEYS.epoch, "1")  # an agent fell back to a full restart
-    with pytest.raises(GenerationFailed, match="moved to epoch 1"):
-        gens.wait_plan(1, gens.ranks(0), timeout_s=2)
-
 
 def _shards(full: torch.Tensor, world: int) -> list[dict]:
     return [{SHARD: chunk.clone(), "shape": list(full.shape)} for chunk in torch.chunk(full, world, dim=0)]

@@ -183,7 +183,11 @@ class AgentConfig:
     """Longest sleep of the agent's supervision loop between checks of its workers (exits, silence,
     screen result); a worker's report wakes it at once."""
     epoch_poll_s: float = 0.25
-    """How often the run's restart epoch is read from etcd."""
+    """The run's signals (epoch, this node's exclusion, stop) are watched, not polled: this is the
+    least time between two reads that re-establish their watch after it failed for good."""
+    watch_idle_s: float = 30.0
+    """A signal watch silent this long reconnects (one request): how long a silently dead connection
+    (a member's host gone without a reset) can go unnoticed; 30 s is ~34 requests/s at 1,024 agents."""
     lease_ttl_s: int = 10
     """TTL of the node record; the agent refreshes it at a third of this."""
     etcd_wait_s: float = 60.0
@@ -206,7 +210,8 @@ class AgentConfig:
     def __post_init__(self) -> None:
         if self.max_restarts < 0:
             raise ConfigError("max_restarts", "must be >= 0")
-        for name in ("term_grace_s", "monitor_interval_s", "epoch_poll_s", "pg_timeout_s", "etcd_wait_s"):
+        for name in ("term_grace_s", "monitor_interval_s", "epoch_poll_s", "watch_idle_s", "pg_timeout_s",
+                     "etcd_wait_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(name, "must be > 0")
         if self.lease_ttl_s < 2:

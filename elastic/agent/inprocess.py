@@ -8,9 +8,13 @@ children.  From then on:
 * a dead local worker is replaced by the node's **warm spare** (torch and the trainer already
   imported), which takes the dead worker's slot and joins the next generation in-process; the
   other workers of every node never restart (:mod:`elastic.worker.inprocess`);
-* a **lost node** (its agent unreachable) is declared lost for the next generation by the agents
-  whose workers are re-forming, after a direct probe of its agent (refused or timed out), so the
-  survivors re-form without it at once instead of waiting out a lease;
+* the agent **joins each generation round for its node** (its live local slots in one record) and
+  hands the plan to its workers over the local channel (the memory store's RoundBoard): one
+  participant per node, one watch per node (:mod:`elastic.control.genround`);
+* a **lost node** (its agent unreachable) is declared lost for the next generation by the round's
+  coordinator (or, when the coordinator itself is gone, its deputy), after a direct probe of its
+  agent (refused or timed out), so the survivors re-form without it at once instead of waiting out
+  a lease;
 * every snapshot a local worker pushes is replicated to the **buddy** node's agent (the next node
   in the ring of live nodes), so a lost node's state survives it.
 
@@ -28,17 +32,19 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 from elastic.agent.attempt import AttemptResult, NodeSpec, Outcome, TorchrunAttempt
 from elastic.agent.classify import FailureKind, stopping_failure
 from elastic.agent.config import InProcessConfig
 from elastic.checkpoint.memclient import MemStateClient
-from elastic.checkpoint.memstate import MemStateError, MemStateServer, SnapMeta
+from elastic.checkpoint.memstate import MemStateError, MemStateServer, RoundBoard, SnapMeta
 from elastic.common.env import WorkerEnv
 from elastic.common.events import EventLog
 from elastic.common.exits import EXIT_CHECKPOINT, EXIT_CONFIG, EXIT_NUMERICS, EXIT_RECOVERY_FAILED, EXIT_SCREEN_FAILED
 from elastic.common.procs import NotOurChild, reap, reap_quietly, terminate_tree
-from elastic.control.generations import Generations
+from elastic.control.generations import GenerationFailed, Generations, Plan
+from elastic.control.genround import NodeRound
 from elastic.control.runstate import RunState
 from elastic.control.store import StoreError
 
@@ -132,6 +138,9 @@ def ring_successor(node_id: str, nodes: dict[str, dict]) -> tuple[str, str, str]
     return node, stores[node]["addr"], stores[node]["token"]
 
 
+_FEW = 8
+"""Probing more nodes than this, a round reads every node record in one range instead of each one."""
+
 # Exit codes a worker leaves with on purpose: the agent's usual path decides (classify, roll back, exclude).
 _DELIBERATE = frozenset({EXIT_NUMERICS, EXIT_SCREEN_FAILED, EXIT_CONFIG, EXIT_CHECKPOINT})
 
@@ -175,7 +184,7 @@ class InProcessWorkers:
     """
 
     def __init__(self, spec: NodeSpec, config: InProcessConfig, state: RunState, events: EventLog,
-                 memstate: MemStateServer, epoch: int) -> None:
+                 memstate: MemStateServer | None, epoch: int) -> None:
         self.spec, self.config, self.state, self.events = spec, config, state, events
         self.memstate = memstate
         self.epoch = epoch
@@ -186,13 +195,17 @@ class InProcessWorkers:
         self.detached = False
         self.gen = 0
         self.step = 0  # the newest step a slot's worker reported (where a fault hits)
-        self.slot_gen: dict[int, int] = {}  # local rank -> the generation its process last trained in
         self.spare: subprocess.Popen[bytes] | None = None
         self.spare_deaths: list[float] = []  # when spares died unassigned (a node that keeps killing them)
         self.worker_env: WorkerEnv | None = None
-        self._probing: set[int] = set()
+        self.ranks: dict[int, int] = {}  # local slot -> its rank in generation self.gen
+        self.plan: Plan | None = None  # the newest generation's plan (the next round builds on it)
+        self.wanted = 0  # the newest generation a worker asked for (a fault report, a wait, a replacement)
+        self._rounds: set[int] = set()  # generations this node joined (one round thread each)
         self._fault_steps: dict[int, int] = {}  # generation -> the step its fault hit (a worker's report)
-        self._closed = threading.Event()  # set when the node's workers are done or stopped: probes end
+        self.board = memstate.board if memstate is not None else RoundBoard()
+        self.board.on_wait = lambda epoch, gen, name: self.want(gen) if epoch == self.epoch else None
+        self._closed = threading.Event()  # set when the node's workers are done or stopped: rounds end
         self._attempt: TorchrunAttempt | None = None
         self.on_replace = lambda: None  # the supervisor's heartbeat monitor: the slot is re-forming
         self.drain_reports = lambda: None  # the supervisor: read the reports queued so far (observe())
@@ -203,22 +216,21 @@ class InProcessWorkers:
         if kind == "step" and local is not None and int(local) not in self.finished:
             if not self.detached:
                 self.pids[int(local)] = pid
+                if report.get("rank") is not None and int(report.get("gen", 0)) == 0:
+                    self.ranks[int(local)] = int(report["rank"])
             if self.detached and self.pids.get(int(local)) != pid:
                 return  # a process that no longer holds the slot (its late reports)
             self.gen = max(self.gen, int(report.get("gen", 0)))
             self.step = max(self.step, int(report.get("step", 0)))
-            self.slot_gen[int(local)] = int(report.get("gen", 0))
         elif kind == "done" and local is not None and self.pids.get(int(local)) == pid:
             self.done[int(local)] = pid
         elif kind == "fault":
             gen = int(report.get("gen", self.gen)) + 1
             if report.get("step") is not None:
                 self._fault_steps.setdefault(gen, int(report["step"]))
-            self._probe_later(gen)
+            self.want(gen)
         elif kind == "recovered":
             self.gen = max(self.gen, int(report.get("gen", 0)))
-            if local is not None and self.pids.get(int(local)) == pid:
-                self.slot_gen[int(local)] = int(report.get("gen", 0))
             if self.detached and self.spare is None and self.config.spare:
                 self._new_spare()
 
@@ -232,10 +244,19 @@ class InProcessWorkers:
         self.worker_env = worker_env
         attempt.retire(set(self.pids.values()))
         self.detached = True
+        self.register()
         self.events.emit("agent.torchrun_retired", workers={str(k): v for k, v in sorted(self.pids.items())},
                          gen=self.gen)
         if self.config.spare:
             self.start_spare()
+
+    def register(self) -> None:
+        """Generation 0 of this epoch: this node's slots and their ranks, in one record (the roster
+        every round's coordinator starts from)."""
+        try:
+            self.gens.register_node(self.spec.node_id, self.ranks)
+        except StoreError as exc:
+            self.events.emit("agent.store_error", op="register_node", error=str(exc)[:300])
 
     def start_spare(self) -> None:
         assert self._attempt is not None
@@ -293,6 +314,7 @@ class InProcessWorkers:
             self._closed.set()
             self.events.emit("agent.workers_done", gen=self.gen)
             return AttemptResult(Outcome.SUCCEEDED, 0)
+        self.join_wanted()
         return None
 
     def _death(self, local: int, pid: int, rc: int, on_failure) -> AttemptResult | None:
@@ -325,7 +347,7 @@ class InProcessWorkers:
         a replacement that failed never passes for a recovery)."""
         assert self.spare is not None and self.worker_env is not None and self._attempt is not None
         spare, self.spare = self.spare, None
-        gen = self._join_gen(local)
+        gen = self.gen + 1  # the agent joins the rounds for its node: its count is the node's
         env = {**self.worker_env.to_env(), "ELASTIC_JOIN_GEN": str(gen), "LOCAL_RANK": str(local), "ELASTIC_SCREEN": "",
                "TORCHELASTIC_ERROR_FILE": str(self._attempt.dir / f"error-spare-{spare.pid}.json")}
         try:
@@ -339,60 +361,77 @@ class InProcessWorkers:
             self._new_spare()
             return False
         self.pids[local] = spare.pid
+        self.want(gen)
         self.on_replace()
         self.events.emit("agent.inprocess_replace", local_rank=local, spare_pid=spare.pid, gen=gen, detail=detail)
         return True
 
-    def _join_gen(self, local: int) -> int:
-        """The generation the spare joins: the one the dead worker's peers form without it.  A
-        generation newer than the last one the dead worker trained in was forming when it died (its
-        peers wait for its slot there, even in a closed round that named it); the one it trained in
-        ended with it.  The agent's own count alone once sent a spare to a generation its peers had
-        already left, when a second kill came 0.6 s into a recovery (a 13 s hang, then a restart)."""
-        trained = self.slot_gen.get(local, 0)
-        try:
-            newest = self.gens.newest(trained)
-        except StoreError:
-            return max(self.gen, trained) + 1
-        return newest if newest > trained else trained + 1
+    # -- generation rounds ----------------------------------------------------------------------
+    def want(self, gen: int) -> None:
+        """A worker needs generation ``gen`` (its fault report, its wait for the plan, a replacement)."""
+        self.wanted = max(self.wanted, gen)
 
-    # -- lost nodes ---------------------------------------------------------------------------------------
-    def _probe_later(self, gen: int) -> None:
-        if gen in self._probing:
+    def join_wanted(self) -> None:
+        """Join the round a worker needs, once every local slot has a live process (the supervisor
+        loop calls this after reaping, so a dead worker's slot is the spare's by then)."""
+        gen = self.gen + 1
+        if not self.detached or self.wanted < gen or gen in self._rounds or self._closed.is_set():
             return
-        self._probing.add(gen)
-        threading.Thread(target=self._probe, args=(gen,), name=f"probe-g{gen}", daemon=True).start()
+        self._rounds.add(gen)
+        slots = {local: self.ranks.get(local, -1) for local in sorted(self.pids) if local not in self.finished}
+        threading.Thread(target=self._round, args=(gen, slots), name=f"round-g{gen}", daemon=True).start()
 
-    def _probe(self, gen: int) -> None:
-        """Until generation ``gen`` has its plan (or this node's workers are done): declare nodes
-        whose agent is gone lost, and name the fault for the run at once."""
-        deadline = time.monotonic() + self.config.join_timeout_s
+    def _round(self, gen: int, slots: dict[int, int]) -> None:
+        """This node's part in round ``gen``: the plan, then the new c10d store's address, each handed
+        to the workers as soon as it is known; a round that fails fails the workers' wait too."""
+        notice = self.state.notice(self.epoch, self._fault_steps.get(gen), self.spec.node_id, "peer_lost", gen=gen - 1)
+        round_ = NodeRound(self.gens, self.spec.node_id, gen, slots, self.plan, self._prober(gen),
+                           self.config.join_timeout_s, on_lost=lambda node, why: self._name_lost(node, gen, why),
+                           emit=self.events.emit, stopped=self._closed.is_set, notice=notice)
+        try:
+            plan = round_.run()
+            self._adopt(plan, slots)
+            self.board.post(self.epoch, gen, "plan", {"plan": json.loads(plan.to_json()),
+                                                      "slots": {str(local): old for local, old in slots.items()}})
+            self.events.emit("agent.round_plan", gen=gen, world=plan.world, nodes=plan.nodes, lost=list(plan.lost),
+                             by=plan.by, role=round_.role or "member")
+            self.board.post(self.epoch, gen, "store", round_.wait_store(self.config.join_timeout_s))
+        except (GenerationFailed, StoreError) as exc:
+            self.events.emit("agent.round_failed", gen=gen, error=str(exc)[:300])
+            self.board.fail(self.epoch, gen, ("plan", "store"), str(exc))
+        finally:
+            round_.close()
+
+    def _adopt(self, plan: Plan, slots: dict[int, int]) -> None:
+        """This node's slots' ranks in the new generation (the plan is a delta: applied locally)."""
+        self.plan = plan
+        self.gen = max(self.gen, plan.gen)  # a fault right after this plan is a fault of plan.gen
+        self.ranks = {local: rank for local, old in slots.items() if (rank := plan.rank_of(old)) is not None}
+
+    def _prober(self, gen: int) -> Callable[[list[str]], dict[str, str]]:
+        """The probe of round ``gen``: why each node's agent is gone, or "" while it may only be slow
+        or left cleanly (a node that finished; its closed store is no loss).  Records are read once a
+        round, and only by the agents that probe: the coordinator reads every node's (one range each
+        of node records and roster), its deputy and reserves the few they probe (one transaction)."""
         strikes: dict[str, int] = {}
-        while time.monotonic() < deadline and not self._closed.is_set():
-            try:
-                suspects = self._suspects(gen)
-                records = self.state.nodes() if suspects else {}
-            except StoreError:
-                suspects = None
-            if suspects is None:
-                return
-            for node in suspects:
-                reason = self._unreachable(node, records.get(node), strikes)
-                if reason and self.gens.mark_lost(gen, node, self.spec.node_id, reason):
-                    self._name_lost(node, gen, reason)
-            self._closed.wait(0.2)
+        records: dict[str, tuple[dict | None, dict | None]] = {}  # node -> (node record, roster entry)
 
-    def _suspects(self, gen: int) -> list[str] | None:
-        """Nodes of the last generation that may be lost: not this one, none of whose slots joined
-        ``gen`` (a joined slot is alive), still on the roster as training (one that left cleanly
-        finished; its closed store is no loss).  None once ``gen`` has its plan."""
-        joined, plan = self.gens.progress(gen)
-        if plan is not None:
-            return None
-        members = {slot.node for slot in self.gens.ranks(gen - 1)} - {self.spec.node_id}
-        roster = self.state.members()
-        alive = {slot.node for slot in joined}
-        return sorted(n for n in members - alive if roster.get(n, {}).get("state", "joined") in ("joined", "lost"))
+        def probe(nodes: list[str]) -> dict[str, str]:
+            missing = [n for n in nodes if n not in records]
+            if len(missing) > _FEW:
+                found, roster = self.state.nodes(), self.state.members()
+                records.update({n: (found.get(n), roster.get(n)) for n in {*found, *roster, *missing}})
+            elif missing:
+                records.update(self.state.node_records(missing))
+            return {node: self._verdict(node, records[node], strikes) for node in nodes}
+
+        return probe
+
+    def _verdict(self, node: str, records: tuple[dict | None, dict | None], strikes: dict[str, int]) -> str:
+        record, member = records
+        if (member or {}).get("state", "joined") not in ("joined", "lost"):
+            return ""
+        return self._unreachable(node, record, strikes)
 
     def _unreachable(self, node: str, record: dict | None, strikes: dict[str, int]) -> str:
         """Why ``node``'s agent is gone, or "" while it may only be slow.  Its record gone (lease

@@ -3,9 +3,10 @@
 While torchrun runs, the :class:`Supervisor` drains the workers' reports (steps, commits,
 numerics), judges silence (:mod:`elastic.agent.heartbeat`: hang, stall, slow start; a silence
 with every rank asleep is attributed first, :mod:`elastic.agent.hangs`),
-publishes the node heartbeat for the leader, and polls the run's shared state: a new epoch
-(a peer failed), this node's exclusion, the run's stop key.  Whatever ends the attempt comes
-back as one :class:`~elastic.agent.attempt.AttemptResult`.
+publishes the node heartbeat for the leader, and acts on the run's shared state: a new epoch
+(a peer failed), this node's exclusion, the run's stop key, watched over one stream
+(:class:`~elastic.control.signals.SignalWatch`: an idle run costs etcd no request per loop).
+Whatever ends the attempt comes back as one :class:`~elastic.agent.attempt.AttemptResult`.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from elastic.agent.remote_faults import RemoteFaults
 from elastic.agent.scopes import RestartScope
 from elastic.common.events import EventLog
 from elastic.control.runstate import RunState
+from elastic.control.signals import SignalWatch
 from elastic.control.store import StoreError
 
 _SILENCE_KIND = {Silence.CULPRIT: FailureKind.HANG, Silence.VICTIM: FailureKind.STALL,
@@ -57,6 +59,9 @@ class Supervisor:
         """Chaos faults delivered through etcd: fed this node's reports, polled every loop."""
         self.hangs = HangAttribution(node_id, metrics.run_dir, state, events,
                                      wait_s=config.heartbeat.step_timeout_s / 2)
+        self._noticed: set[tuple[int, int]] = set()  # (epoch, generation) faults this agent recorded
+        self.signals: SignalWatch | None = None
+        """The run-wide signals of the attempt being watched (one watch stream, closed with it)."""
 
     def stop_attempt(self, attempt: TorchrunAttempt, reason: str) -> None:
         workers = self.workers
@@ -82,7 +87,18 @@ class Supervisor:
         self.screened = None
         if self.faults is not None:
             self.faults.attach(attempt.proc.pid if attempt.proc else None, epoch)
-        next_poll = next_beat = time.monotonic()
+        with self.open_signals():
+            return self._loop(attempt, epoch, stop_reason)
+
+    def open_signals(self) -> SignalWatch:
+        """The run-wide signals for the attempt about to be watched: one stream, read and opened on
+        first use (so etcd being down at the start does not delay the attempt)."""
+        self.signals = SignalWatch(self.state, self.node_id, idle_s=self.config.watch_idle_s,
+                                   retry_s=self.config.epoch_poll_s)
+        return self.signals
+
+    def _loop(self, attempt: TorchrunAttempt, epoch: int, stop_reason: Callable[[], str]) -> AttemptResult:
+        next_beat = time.monotonic()
         while True:
             self._drain(attempt, epoch)
             result = self._exited(attempt, epoch)
@@ -93,12 +109,10 @@ class Supervisor:
                 return AttemptResult(Outcome.STOPPED)
             if self.faults is not None:
                 self.faults.poll()
+            result = self._poll_run(attempt, epoch)
+            if result is not None:
+                return result
             now = time.monotonic()
-            if now >= next_poll:
-                next_poll = now + self.config.epoch_poll_s
-                result = self._poll_run(attempt, epoch)
-                if result is not None:
-                    return result
             if now >= next_beat:
                 next_beat = now + self.config.heartbeat.publish_interval_s
                 self.records.heartbeat(epoch, self.agent_state(), self.monitor.summary())
@@ -150,9 +164,15 @@ class Supervisor:
             self.monitor.observe(report)
         elif kind == "commit":
             self.progress.observe_commit(int(report.get("step", -1)))
-        elif kind == "fault":  # a peer was lost; the workers re-form in-process: say where the run stood
-            self.records.quietly("notice_fault", lambda: self.state.notice_fault(
-                epoch, report.get("step"), self.node_id, "peer_lost", gen=int(report.get("gen", 0))))
+        elif kind == "fault" and self.workers is None:
+            # A peer was lost and the workers re-form in-process: say where the run stood.  With the
+            # in-process workers attached, their agent's join of the round writes this note (first
+            # joiner only, in the join's own transaction): no request of its own per agent.
+            gen = int(report.get("gen", 0))
+            if (epoch, gen) not in self._noticed:  # its other workers report the same fault: one write a node
+                self._noticed.add((epoch, gen))
+                self.records.quietly("notice_fault", lambda: self.state.notice_fault(
+                    epoch, report.get("step"), self.node_id, "peer_lost", gen=gen))
         elif kind == "screen":
             self.screened = self.screener_record(report)
         elif kind == "numerics":
@@ -162,9 +182,13 @@ class Supervisor:
                 self._numerics_step = int(report.get("step", 0))
 
     def _poll_run(self, attempt: TorchrunAttempt, epoch: int) -> AttemptResult | None:
-        """Run-wide signals in etcd: a new epoch, this node's exclusion, a stop of the run."""
+        """Run-wide signals in etcd: a new epoch, this node's exclusion, a stop of the run (from the
+        watch, so every loop may look; etcd is read only when the watch must be re-established)."""
+        if self.signals is None:
+            self.open_signals()
+        assert self.signals is not None
         try:
-            signals = self.state.signals(self.node_id)
+            signals = self.signals.current()
             current, excluded, stop = signals.epoch, signals.excluded, signals.stop
         except StoreError as exc:
             # etcd unreachable: keep training; the workers do not need etcd between rendezvous.

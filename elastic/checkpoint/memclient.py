@@ -10,6 +10,7 @@ import os
 import signal
 import socket
 import threading
+from typing import Any
 
 from elastic.checkpoint.memstate import (
     Chunk,
@@ -173,6 +174,21 @@ class MemStateClient:
                 return [SnapMeta.from_json(m) for m in _read_line(sock).get("metas", [])]
             except (OSError, ValueError, ConnectionError) as exc:
                 raise MemStateUnavailable(f"snapshot list failed: {exc}") from exc
+
+    def round_wait(self, epoch: int, gen: int, name: str, timeout_s: float) -> Any:
+        """What the agent posted for generation ``gen`` under ``name`` (``plan``, ``store``), waiting up
+        to ``timeout_s``; MemStateRejected when the round failed or nothing came (see RoundBoard)."""
+        with self._connect() as sock:
+            sock.settimeout(timeout_s + 10.0)  # the agent answers within timeout_s; then the link is gone
+            try:
+                _send(sock, {"op": "round_wait", "token": self.token, "epoch": epoch, "gen": gen, "name": name,
+                             "timeout_s": timeout_s})
+                reply = _read_line(sock)
+            except (OSError, ValueError, ConnectionError) as exc:
+                raise MemStateUnavailable(f"waiting for the {name} of generation {gen} failed: {exc}") from exc
+        if not reply.get("ok"):
+            raise MemStateRejected(str(reply.get("error")))
+        return reply.get("value")
 
     def drop(self, slot: int) -> bool:
         with self._connect() as sock:

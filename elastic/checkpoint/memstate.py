@@ -324,6 +324,52 @@ class SnapshotCache:
             return [meta for entries in self._entries.values() for meta, _ in entries]
 
 
+class RoundBoard:
+    """What the agent tells its workers about a generation round, over the local channel: values
+    posted under (epoch, generation, name) -- ``plan``, ``store`` -- that a worker waits for with
+    one blocking request (op ``round_wait``).  The workers of a node thus learn a plan from their
+    agent's one watch instead of one etcd watch each (elastic.control.generations).
+
+    ``on_wait`` (set by the agent) hears every wait: a worker asking for a round is a reason to join
+    it, should its fault report (a UDP datagram) have been lost.
+    """
+
+    KEEP = 4
+    """Generations kept per epoch: a spare or a slow worker may still ask for the previous one."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._values: dict[tuple[int, int, str], dict[str, Any]] = {}
+        self.on_wait: Callable[[int, int, str], None] = lambda epoch, gen, name: None
+
+    def post(self, epoch: int, gen: int, name: str, value: Any) -> None:
+        self._set((epoch, gen, name), {"ok": True, "value": value})
+
+    def fail(self, epoch: int, gen: int, names: tuple[str, ...], reason: str) -> None:
+        """Every waiter of these names hears that the round failed (it then leaves: a restart from disk)."""
+        for name in names:
+            self._set((epoch, gen, name), {"ok": False, "error": reason})
+
+    def _set(self, key: tuple[int, int, str], answer: dict[str, Any]) -> None:
+        with self._cond:
+            self._values.setdefault(key, answer)  # the first answer stands
+            newest = max(g for e, g, _ in self._values if e == key[0])
+            self._values = {k: v for k, v in self._values.items() if k[0] == key[0] and k[1] > newest - self.KEEP}
+            self._cond.notify_all()
+
+    def wait(self, epoch: int, gen: int, name: str, timeout_s: float) -> dict[str, Any]:
+        """``{"ok": True, "value": ...}``, ``{"ok": False, "error": ...}``, or a timeout answer."""
+        self.on_wait(epoch, gen, name)
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while (epoch, gen, name) not in self._values:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return {"ok": False, "error": f"the agent had no {name} of generation {gen} within {timeout_s:g}s"}
+                self._cond.wait(remaining)
+            return self._values[(epoch, gen, name)]
+
+
 class _Handler(socketserver.BaseRequestHandler):
     server: _TCPServer
 
@@ -374,6 +420,7 @@ class MemStateServer:
         self.snapshots = SnapshotCache(max_bytes)
         # Set by the agent: a copy of every snapshot of this node's workers goes to the buddy node.
         self.replicate: Callable[[SnapMeta, bytearray], None] | None = None
+        self.board = RoundBoard()
         self.events = events or EventLog(None, "memstate")
         self.token = secrets.token_hex(16)
         self._server = _TCPServer((host, 0), _Handler)
@@ -417,6 +464,9 @@ class MemStateServer:
             self._snap_get(sock, header)
         elif op == "snap_list":
             _send(sock, {"ok": True, "metas": [m.to_json() for m in self.snapshots.metas()]})
+        elif op == "round_wait":
+            _send(sock, self.board.wait(int(header["epoch"]), int(header["gen"]), str(header["name"]),
+                                        float(header["timeout_s"])))
         else:
             _send(sock, {"ok": False, "error": f"unknown op {op!r}"})
 

@@ -1,31 +1,46 @@
-"""Generations: re-forming the world in-process, without a new torchrun.
+"""Generations: re-forming the world in-process, without a new torchrun, one participant per node.
 
-Within one run epoch, generation 0 is the world torchrun formed; every worker registers its
-slot (node, local rank) and rank under ``gen/<epoch>/0/members/``.  When a peer is lost, the
-surviving workers (and the warm spares that replace dead ones, with the dead worker's slot) join
-generation g+1 (``gen/<epoch>/<g+1>/join/<node>/<local_rank>``), and agents that find a whole node
-gone mark it lost (``.../lost/<node>``).  The round is complete when every slot of generation g
-whose node is not lost has joined; the first joiner to see that writes the plan
-(``.../plan``, one compare-and-swap, create-only, so all agree on one plan).  Ranks keep their
-order: survivors keep their rank when the world size stays, and the ranks of a shrunk world are
-the old ranks in order, renumbered from 0.  Waiters block on a watch of the generation's prefix,
-never in a polling loop.
+Within one run epoch, generation 0 is the world torchrun formed: once its workers have trained a
+step, each node's agent registers the node's slots and the ranks torchrun gave them
+(``gen/<epoch>/0/members/<node>``).  When a peer is lost, every surviving node's agent joins
+generation g+1 *for its node* (``gen/<epoch>/<g+1>/join/<node>``: its live local slots in one
+record; a warm spare holds a dead worker's slot) and watches the round's control keys (``lost/*``,
+``plan``, ``store``: one stream per node).  Its workers learn the plan from it over the local
+channel, never from etcd.  :class:`~elastic.control.genround.NodeRound` is one node's part.
 
-A generation that cannot complete (a slot neither joins nor is declared lost within the timeout,
-or the run's epoch moved on because an agent fell back to a full restart) raises
-:class:`GenerationFailed`; the caller then leaves and the agents restart the epoch from disk.
+One coordinator closes the round: the first node of generation g (in key order) not lost.  It
+alone reads every join, probes the nodes that have not joined (lost-node discovery once per round,
+by one agent), declares the gone ones lost and writes the plan with one compare-and-swap.
+
+The plan is a delta, not a member list: the ranks of generation g that are gone, and the nodes
+lost (this round, and since generation 0).  Its size grows with the faults, not with the world, and
+each node applies it to its own slots: ranks keep their order; the ranks of a shrunk world are the
+old ranks in order, renumbered from 0.  Why: a member list of 8,192 ranks is ~0.5 MB, and every node
+reading it is ~0.5 GB per round at 1,024 nodes.  Measured (``benchmarks/control_plane.py``, 64 nodes
+x 8 ranks, 3 etcd members, 2 cores): with every rank joining and reading the round's prefix, a round
+read 1.7-2.4 GB and sent ~13,000-17,000 requests, and a third to half of the ranks gave up on 2 s
+read timeouts; with one participant per node it reads ~0.2 MB in ~200 requests (~3 per node).
+
+A round that cannot complete (a node neither joins nor is found lost within the timeout, or this
+node itself was declared lost) raises :class:`GenerationFailed`; the workers then leave and the run
+restarts the epoch from disk.
 """
 
 from __future__ import annotations
 
+import bisect
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from elastic.control.keys import RunKeys
 from elastic.control.runstate import decode
-from elastic.control.store import KVStore
+from elastic.control.store import KeyValue, KVStore
+from elastic.control.txn import Compare, Get, Put, Range, Txn
+
+Roster = dict[str, dict[int, int]]
+"""Generation 0: node -> local slot -> rank."""
 
 
 class GenerationFailed(RuntimeError):
@@ -47,49 +62,101 @@ class Slot:
 
 
 @dataclass(frozen=True)
-class Member:
-    slot: Slot
-    rank: int
-    old_rank: int
-
-
-@dataclass(frozen=True)
 class Plan:
+    """Generation ``gen`` as a delta of generation ``gen - 1`` (see the module docstring)."""
+
     gen: int
-    members: tuple[Member, ...]
+    old_world: int
+    dropped: tuple[int, ...] = ()
+    """Ranks of generation ``gen - 1`` not in this one, sorted."""
+    nodes: int = 0
+    """Nodes in this generation."""
+    lost: tuple[str, ...] = ()
+    """Nodes declared lost in this round."""
+    gone: tuple[str, ...] = ()
+    """Every node lost since generation 0 of the epoch (the next round's coordinator reads it)."""
+    dropped0: tuple[int, ...] = ()
+    """Generation-0 ranks not in this generation, sorted."""
+    by: str = ""
 
     @property
     def world(self) -> int:
-        return len(self.members)
+        return self.old_world - len(self.dropped)
 
-    def member(self, slot: Slot) -> Member | None:
-        return next((m for m in self.members if m.slot == slot), None)
+    def rank_of(self, old_rank: int) -> int | None:
+        """The rank in this generation of the slot that held ``old_rank`` (None: it left)."""
+        i = bisect.bisect_left(self.dropped, old_rank)
+        if not 0 <= old_rank < self.old_world or (i < len(self.dropped) and self.dropped[i] == old_rank):
+            return None
+        return old_rank - i
 
-    def keeps_ranks(self, old_world: int) -> bool:
+    def keeps_ranks(self) -> bool:
         """The world kept its size and every member its rank: local shards restore as they are."""
-        return self.world == old_world and all(m.rank == m.old_rank for m in self.members)
+        return not self.dropped
 
     def to_json(self) -> str:
-        return json.dumps({"gen": self.gen, "members": [
-            {"node": m.slot.node, "local_rank": m.slot.local_rank, "rank": m.rank, "old_rank": m.old_rank}
-            for m in self.members]})
+        return json.dumps({"gen": self.gen, "old_world": self.old_world, "dropped": list(self.dropped),
+                           "nodes": self.nodes, "lost": list(self.lost), "gone": list(self.gone),
+                           "dropped0": list(self.dropped0), "by": self.by})
 
     @classmethod
     def from_record(cls, record: dict[str, Any]) -> Plan:
-        return cls(int(record["gen"]), tuple(Member(Slot(m["node"], int(m["local_rank"])), int(m["rank"]),
-                                                    int(m["old_rank"])) for m in record["members"]))
+        return cls(int(record["gen"]), int(record["old_world"]), tuple(int(r) for r in record.get("dropped", [])),
+                   int(record.get("nodes", 0)), tuple(record.get("lost", [])), tuple(record.get("gone", [])),
+                   tuple(int(r) for r in record.get("dropped0", [])), str(record.get("by", "")))
 
 
-def plan_next(gen: int, previous: dict[Slot, int], joined: set[Slot], lost: set[str]) -> Plan | None:
-    """The plan of generation ``gen`` once every expected slot joined, else None.
+def ranks_at(roster: Roster, previous: Plan | None) -> dict[Slot, int]:
+    """Slot -> rank in the generation ``previous`` formed (generation 0 without one)."""
+    dropped0 = previous.dropped0 if previous else ()
+    gone = set(dropped0)
+    return {Slot(node, local): rank0 - bisect.bisect_left(dropped0, rank0)
+            for node, slots in roster.items() for local, rank0 in slots.items() if rank0 not in gone}
 
-    ``previous`` maps the slots of generation ``gen - 1`` to their ranks.
-    """
-    expected = {slot for slot in previous if slot.node not in lost}
-    if not expected or not expected <= joined:
+
+def plan_next(gen: int, roster: Roster, previous: Plan | None, joined: dict[str, dict[int, int]],
+              lost: set[str], by: str = "") -> Plan | None:
+    """The plan of generation ``gen`` once every node of generation ``gen - 1`` joined or was lost,
+    else None.  ``joined``: node -> the slots its join record lists (a slot it left out is gone)."""
+    gone_before = set(previous.gone) if previous else set()
+    expected = set(roster) - gone_before
+    if not expected or not expected <= set(joined) | lost:
         return None
-    ordered = sorted(expected, key=lambda s: previous[s])
-    return Plan(gen, tuple(Member(slot, rank, previous[slot]) for rank, slot in enumerate(ordered)))
+    ranks = ranks_at(roster, previous)
+    leaving = [Slot(n, local) for n in sorted(expected) for local in roster[n]
+               if n in lost or local not in joined.get(n, {})]
+    leaving = [s for s in leaving if s in ranks]
+    remaining = expected - lost
+    if not remaining:
+        return None
+    return Plan(gen, len(ranks), tuple(sorted(ranks[s] for s in leaving)), len(remaining),
+                tuple(sorted(lost & expected)), tuple(sorted(gone_before | (lost & expected))),
+                tuple(sorted(set(previous.dropped0 if previous else ()) | {roster[s.node][s.local_rank]
+                                                                            for s in leaving})), by)
+
+
+@dataclass
+class JoinView:
+    """What a node's join transaction read back, at one revision."""
+
+    revision: int
+    plan: Plan | None
+    store: str | None
+    lost: set[str]
+    head: list[str]
+    """The first nodes of the generation-0 roster, in key order (enough to know the coordinator)."""
+    head_limit: int
+
+
+@dataclass
+class RoundState:
+    """Everything of one round (the coordinator's read): joins, lost nodes, plan, store."""
+
+    revision: int
+    joined: dict[str, dict[int, int]] = field(default_factory=dict)
+    lost: set[str] = field(default_factory=set)
+    plan: Plan | None = None
+    store: str | None = None
 
 
 class Generations:
@@ -100,22 +167,65 @@ class Generations:
         self.keys = keys
         self.epoch = epoch
 
-    def register(self, slot: Slot, rank: int) -> None:
-        """Generation 0: this worker's slot and the rank torchrun gave it."""
-        self.store.put(self.keys.gen_member(self.epoch, 0, slot.node, slot.local_rank), json.dumps({"rank": rank}))
+    # -- generation 0 -------------------------------------------------------------------
+    def register_node(self, node: str, ranks: dict[int, int]) -> None:
+        """Generation 0: this node's slots and the ranks torchrun gave them."""
+        self.store.put(self.keys.gen_member(self.epoch, node), json.dumps({"ranks": _str_keys(ranks)}))
 
-    def ranks(self, gen: int) -> dict[Slot, int]:
-        """Slot -> rank of generation ``gen`` (generation 0: the registrations; later: the plan)."""
-        if gen > 0:
-            record = decode(self.store.get(self.keys.gen_plan(self.epoch, gen)))
-            return {m.slot: m.rank for m in Plan.from_record(record).members} if record else {}
-        base = self.keys.generation(self.epoch, 0) + "members/"
-        return {Slot.parse(RunKeys.tail(kv.key, base)): int(json.loads(kv.value)["rank"])
-                for kv in self.store.get_prefix(base)}
+    def roster(self) -> Roster:
+        """Every node's generation-0 slots (one read of N small records: the coordinator's, once a round)."""
+        base = self.keys.gen_members(self.epoch)
+        return {RunKeys.tail(kv.key, base): _slots(decode(kv), "ranks") for kv in self.store.get_prefix(base)}
 
-    def join(self, gen: int, slot: Slot, **info: Any) -> None:
-        record = json.dumps({**info, "ts": time.time()})
-        self.store.put(self.keys.gen_join(self.epoch, gen, slot.node, slot.local_rank), record)
+    def head(self, limit: int) -> list[str]:
+        """The first ``limit`` nodes of the generation-0 roster, in key order."""
+        base = self.keys.gen_members(self.epoch)
+        return [RunKeys.tail(kv.key, base) for kv in self.store.get_prefix(base, limit=limit)]
+
+    # -- a round ----------------------------------------------------------------------------
+    def join_node(self, gen: int, node: str, slots: dict[int, int], head_limit: int,
+                  notice: tuple[str, str] | None = None) -> JoinView:
+        """Join generation ``gen`` for ``node`` (``slots``: local slot -> its rank in ``gen - 1``) and
+        read, in the same transaction (one request, one raft write), what a node needs next: the
+        plan and store address if the round already closed, who was declared lost, the roster's head.
+        ``notice`` (key, record): the run's note of this fault, written only by the first node to join
+        (:meth:`RunState.notice`; it was a compare-and-swap of every agent of its own)."""
+        record = json.dumps({"slots": _str_keys(slots), "ts": time.time()})
+        noticed = [Txn(compare=[Compare.absent(notice[0])], success=[Put(*notice)])] if notice else []
+        txn = Txn(success=[Put(self.keys.gen_join(self.epoch, gen, node), record), *noticed,
+                           Get(self.keys.gen_plan(self.epoch, gen)), Get(self.keys.gen_store(self.epoch, gen)),
+                           Range(self.keys.gen_losts(self.epoch, gen)),
+                           Range(self.keys.gen_members(self.epoch), limit=head_limit)])
+        result = self.store.txn(txn)
+        plan, store, lost, head = result.results[1 + len(noticed):]
+        members = self.keys.gen_members(self.epoch)
+        return JoinView(result.revision, _plan(plan), _text(store),
+                        {RunKeys.tail(kv.key, self.keys.gen_losts(self.epoch, gen)) for kv in lost},
+                        [RunKeys.tail(kv.key, members) for kv in head], head_limit)
+
+    def round_state(self, gen: int) -> RoundState:
+        """Every record of round ``gen`` (the coordinator's one read of the joins)."""
+        base = self.keys.generation(self.epoch, gen)
+        kvs = self.store.get_prefix(base)
+        state = RoundState(max((kv.mod_revision for kv in kvs), default=0))
+        for kv in kvs:
+            self.apply(state, RunKeys.tail(kv.key, base), kv.value)
+        return state
+
+    def apply(self, state: RoundState, tail: str, value: bytes | None) -> None:
+        """One record (``tail`` under the round's prefix; ``value`` None: deleted) into ``state``."""
+        if tail.startswith("join/"):
+            node = tail[len("join/"):]
+            if value is None:
+                state.joined.pop(node, None)
+            else:
+                state.joined[node] = _slots(_json(value), "slots")
+        elif tail.startswith("lost/") and value is not None:
+            state.lost.add(tail[len("lost/"):])
+        elif tail == "plan" and value is not None:
+            state.plan = Plan.from_record(_json(value))
+        elif tail == "store" and value is not None:
+            state.store = value.decode()
 
     def mark_lost(self, gen: int, node: str, by: str, reason: str) -> bool:
         """Declare ``node`` gone for generation ``gen`` (once; True if this call recorded it)."""
@@ -123,70 +233,44 @@ class Generations:
         ok, _ = self.store.compare_and_swap(self.keys.gen_lost(self.epoch, gen, node), record, 0)
         return ok
 
-    def _read(self, gen: int) -> tuple[set[Slot], set[str], Plan | None, int]:
-        base = self.keys.generation(self.epoch, gen)
-        joined, lost, plan, revision = set(), set(), None, 0
-        for kv in self.store.get_prefix(base):
-            revision = max(revision, kv.mod_revision)
-            tail = RunKeys.tail(kv.key, base)
-            if tail.startswith("join/"):
-                joined.add(Slot.parse(tail[len("join/"):]))
-            elif tail.startswith("lost/"):
-                lost.add(tail[len("lost/"):])
-            elif tail == "plan":
-                plan = Plan.from_record(decode(kv) or {})
-        return joined, lost, plan, revision
+    def close(self, plan: Plan) -> Plan:
+        """Write ``plan`` (create-only): the plan of its generation, this one or the one already there."""
+        ok, current = self.store.compare_and_swap(self.keys.gen_plan(self.epoch, plan.gen), plan.to_json(), 0)
+        return plan if ok else Plan.from_record(decode(current) or {})
 
-    def newest(self, since: int) -> int:
-        """The newest generation of this epoch that has any record, from ``since`` on (one count
-        request per generation: a replacement looks a generation or two ahead)."""
-        gen = since
-        while self.store.count_prefix(self.keys.generation(self.epoch, gen + 1)):
-            gen += 1
-        return gen
+    def plan(self, gen: int) -> Plan | None:
+        return _plan(self.store.get(self.keys.gen_plan(self.epoch, gen)))
 
-    def progress(self, gen: int) -> tuple[set[Slot], Plan | None]:
-        """The slots that joined generation ``gen`` so far, and its plan once it has one."""
-        joined, _, plan, _ = self._read(gen)
-        return joined, plan
-
-    def lost(self, gen: int) -> set[str]:
-        return self._read(gen)[1]
+    def put_store(self, gen: int, addr: str) -> None:
+        """Where generation ``gen``'s c10d store listens (its rank 0 serves it)."""
+        self.store.put(self.keys.gen_store(self.epoch, gen), addr)
 
     def ever_lost(self) -> set[str]:
         """Nodes some generation of this epoch re-formed without (the in-process path handled them)."""
         base = self.keys.generation(self.epoch, 0).rsplit("0/", 1)[0]  # gen/<epoch>/
         return {kv.key.rsplit("/lost/", 1)[1] for kv in self.store.get_prefix(base) if "/lost/" in kv.key}
 
-    def wait_plan(self, gen: int, previous: dict[Slot, int], timeout_s: float) -> Plan:
-        """Block until generation ``gen`` has its plan (writing it when this caller completes the round)."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            self._check_epoch()
-            revision = self.store.revision()
-            joined, lost, plan, _ = self._read(gen)
-            if plan is None:
-                plan = self._try_close(gen, previous, joined, lost)
-            if plan is not None:
-                return plan
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                missing = sorted(s.key() for s in previous if s.node not in lost and s not in joined)
-                raise GenerationFailed(f"generation {gen}: {missing} neither joined nor were declared lost "
-                                       f"within {timeout_s:g}s")
-            self.store.watch_once(self.keys.generation(self.epoch, gen), revision + 1, min(remaining, 1.0),
-                                  prefix=True)
 
-    def _try_close(self, gen: int, previous: dict[Slot, int], joined: set[Slot], lost: set[str]) -> Plan | None:
-        plan = plan_next(gen, previous, joined, lost)
-        if plan is None:
-            return None
-        ok, current = self.store.compare_and_swap(self.keys.gen_plan(self.epoch, gen), plan.to_json(), 0)
-        return plan if ok else Plan.from_record(decode(current) or {})
+def _str_keys(slots: dict[int, int]) -> dict[str, int]:
+    return {str(local): int(rank) for local, rank in sorted(slots.items())}
 
-    def _check_epoch(self) -> None:
-        kv = self.store.get(self.keys.epoch)
-        current = int(kv.value) if kv else 0
-        if current != self.epoch:
-            raise GenerationFailed(f"the run moved to epoch {current} (a full restart) while re-forming epoch "
-                                   f"{self.epoch}")
+
+def _slots(record: dict[str, Any] | None, field_name: str) -> dict[int, int]:
+    return {int(local): int(rank) for local, rank in ((record or {}).get(field_name) or {}).items()}
+
+
+def _json(value: bytes) -> dict[str, Any]:
+    try:
+        loaded = json.loads(value)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return {}
+    return loaded if isinstance(loaded, dict) else {}
+
+
+def _plan(kv: KeyValue | None) -> Plan | None:
+    record = decode(kv)
+    return Plan.from_record(record) if record else None
+
+
+def _text(kv: KeyValue | None) -> str | None:
+    return kv.value.decode() if kv is not None else None

@@ -29,8 +29,11 @@ can be listed, inspected (``elastic status``) and cleaned up as one prefix range
     torchft/{lighthouse,finished}
     chaos/requests/<node>/<id>  a fault for that node's agent to execute (HMAC'd with the run token)
     chaos/results/<node>/<id>   what the agent did with it (executed, or refused and why)
-    gen/<epoch>/<g>/...        in-process re-formation of generation g of an epoch (members, joins,
-                               lost nodes, plan, the c10d store of the generation's process groups)
+    gen/<epoch>/0/members/<node>   generation 0: a node's local slots and the ranks torchrun gave them
+    gen/<epoch>/<g>/join/<node>    a node joins generation g: its live local slots, in one record
+    gen/<epoch>/<g>/lost/<node>    a node declared lost for generation g (create-only)
+    gen/<epoch>/<g>/plan           generation g as a delta of g-1 (create-only, by the round's coordinator)
+    gen/<epoch>/<g>/store          where the generation's c10d store (served by its rank 0) listens
     rdzv/closed                the rendezvous was closed (torchrun's set_closed / shutdown)
     rdzv/latest                number of the newest round that formed (etcd3 barrier handler)
     rdzv/round/<r>/ctl/        coord (on the coordinator's lease), done (the round record),
@@ -242,17 +245,32 @@ class RunKeys:
         """Prefix of generation ``gen`` of ``epoch``: every key of one in-process re-formation."""
         return self._k("gen", str(epoch), str(gen), "")
 
-    def gen_member(self, epoch: int, gen: int, node: str, local_rank: int) -> str:
-        return self.generation(epoch, gen) + f"members/{node}/{local_rank}"
+    def gen_member(self, epoch: int, node: str) -> str:
+        """A node's generation-0 record: its slots and their ranks (the roster every round starts from)."""
+        return self.gen_members(epoch) + node
 
-    def gen_join(self, epoch: int, gen: int, node: str, local_rank: int) -> str:
-        return self.generation(epoch, gen) + f"join/{node}/{local_rank}"
+    def gen_members(self, epoch: int) -> str:
+        return self.generation(epoch, 0) + "members/"
+
+    def gen_join(self, epoch: int, gen: int, node: str) -> str:
+        return self.gen_joins(epoch, gen) + node
+
+    def gen_joins(self, epoch: int, gen: int) -> str:
+        return self.generation(epoch, gen) + "join/"
 
     def gen_lost(self, epoch: int, gen: int, node: str) -> str:
-        return self.generation(epoch, gen) + f"lost/{node}"
+        return self.gen_losts(epoch, gen) + node
+
+    def gen_losts(self, epoch: int, gen: int) -> str:
+        return self.generation(epoch, gen) + "lost/"
 
     def gen_plan(self, epoch: int, gen: int) -> str:
         return self.generation(epoch, gen) + "plan"
+
+    def gen_control(self, epoch: int, gen: int) -> tuple[str, str]:
+        """[start, end) of a round's control keys: ``lost/*``, ``plan`` and ``store``, in key order,
+        and no join: what every node watches (one stream), while only the coordinator reads joins."""
+        return self.gen_losts(epoch, gen), self.gen_store(epoch, gen) + "\0"
 
     def gen_store(self, epoch: int, gen: int) -> str:
         return self.generation(epoch, gen) + "store"

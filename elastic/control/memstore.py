@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from elastic.control.store import KeyValue, LeaseExpired, StoreTimeout, WatchEvent
-from elastic.control.txn import Count, Get, Range, Txn, TxnResult
+from elastic.control.txn import Compare, Count, Delete, Get, Put, Range, Txn, TxnResult
 
 
 class FakeClock:
@@ -104,23 +104,46 @@ class MemoryStore:
             return self._kvs.get(key), self._revision
 
     def txn(self, txn: Txn) -> TxnResult:
-        """Read-only transactions (no compares; Get, Range and Count), atomically: what
-        :meth:`RunState.signals` sends.  Transactions that write are not modelled here."""
-        if txn.compare or txn.failure or any(not isinstance(op, (Get, Range, Count)) for op in txn.success):
-            raise NotImplementedError("MemoryStore models read-only transactions only")
+        """One transaction, atomically: its compares, then Put, Get, Range, Count and nested
+        transactions in order (what :meth:`RunState.signals` and a node's generation join send)."""
         with self._cond:
             self._expire()
-            results = [self._kvs.get(op.key) if isinstance(op, Get) else
-                       self._in(op.prefix) if isinstance(op, Range) else len(self._in(op.prefix)) for op in txn.success]
-            return TxnResult(True, self._revision, results)
+            return self._txn(txn)
 
-    def _in(self, prefix: str) -> list[KeyValue]:
-        return [self._kvs[k] for k in sorted(self._kvs) if k.startswith(prefix)]
+    def _txn(self, txn: Txn) -> TxnResult:
+        ok = all(self._holds(c) for c in txn.compare)
+        return TxnResult(ok, self._revision, [self._op(op) for op in (txn.success if ok else txn.failure)])
 
-    def get_prefix(self, prefix: str) -> list[KeyValue]:
+    def _holds(self, compare: Compare) -> bool:
+        kv = self._kvs.get(compare.key)
+        actual: int | bytes = {"version": kv.version if kv else 0, "create": kv.create_revision if kv else 0,
+                               "mod": kv.mod_revision if kv else 0, "value": kv.value if kv else b""}[compare.target]
+        expected = compare.value.encode() if isinstance(compare.value, str) else compare.value
+        return {"=": actual == expected, "!=": actual != expected, "<": actual < expected,  # type: ignore[operator]
+                ">": actual > expected}[compare.op]  # type: ignore[operator]
+
+    def _op(self, op: Put | Get | Range | Count | Delete | Txn) -> object:
+        if isinstance(op, Put):
+            return self._write(op.key, op.value, op.lease)
+        if isinstance(op, Get):
+            return self._kvs.get(op.key)
+        if isinstance(op, Range):
+            return self._in(op.prefix, op.limit)
+        if isinstance(op, Count):
+            return len(self._in(op.prefix))
+        if isinstance(op, Delete):
+            keys = [k for k in self._kvs if k.startswith(op.key)] if op.prefix else [op.key]
+            return sum(self._delete(k) for k in keys)
+        return self._txn(op)
+
+    def _in(self, prefix: str, limit: int = 0) -> list[KeyValue]:
+        found = [self._kvs[k] for k in sorted(self._kvs) if k.startswith(prefix)]
+        return found[:limit] if limit else found
+
+    def get_prefix(self, prefix: str, limit: int = 0) -> list[KeyValue]:
         with self._cond:
             self._expire()
-            return [self._kvs[k] for k in sorted(self._kvs) if k.startswith(prefix)]
+            return self._in(prefix, limit)
 
     def count_prefix(self, prefix: str) -> int:
         return len(self.get_prefix(prefix))
@@ -194,6 +217,29 @@ class MemoryStore:
                     return None
                 self._cond.wait(min(remaining, 0.05))
 
+    def watch_keys(self, keys: list[str], start_revision: int, idle_s: float = 30.0) -> MemoryWatch:
+        """Every change to any of ``keys`` from ``start_revision`` on (what :class:`WatchStream` gives)."""
+        return MemoryWatch(self, lambda key: key in keys, start_revision)
+
+    def watch(self, key: str, start_revision: int, prefix: bool = False, range_end: str | None = None,
+              idle_s: float = 30.0) -> MemoryWatch:
+        """Every change to ``key`` (its prefix, or [key, range_end)) from ``start_revision`` on."""
+        if range_end is not None:
+            return MemoryWatch(self, lambda k: key <= k < range_end, start_revision)
+        return MemoryWatch(self, (lambda k: k.startswith(key)) if prefix else (lambda k: k == key), start_revision)
+
+    def events_since(self, start_revision: int, match: Callable[[str], bool], timeout: float) -> list[WatchEvent]:
+        """The events at or after ``start_revision`` on keys ``match`` accepts; waits up to ``timeout`` for one."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                self._expire()
+                found = [e for e in self._history if e.mod_revision >= start_revision and match(e.key)]
+                remaining = deadline - time.monotonic()
+                if found or remaining <= 0:
+                    return found
+                self._cond.wait(min(remaining, 0.05))
+
     def wait_for_key(self, key: str, timeout: float, poll: float = 1.0) -> KeyValue:
         deadline = time.monotonic() + timeout
         while (kv := self.get(key)) is None:
@@ -205,3 +251,29 @@ class MemoryStore:
 
     def stop_retrying(self) -> None:
         """Nothing is retried in memory (the agent calls this on shutdown)."""
+
+
+class MemoryWatch:
+    """A watch on a :class:`MemoryStore`: batches of events in revision order, like a WatchStream."""
+
+    def __init__(self, store: MemoryStore, match: Callable[[str], bool], start_revision: int) -> None:
+        self._store = store
+        self._match = match
+        self.next_revision = start_revision
+        self.closed = False
+
+    def get(self, timeout: float) -> list[WatchEvent] | None:
+        events = self._store.events_since(self.next_revision, self._match, timeout)
+        if not events:
+            return None
+        self.next_revision = events[-1].mod_revision + 1
+        return events
+
+    def close(self) -> None:
+        self.closed = True
+
+    def __enter__(self) -> MemoryWatch:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -141,11 +141,20 @@ class RunState:
         return (int(now.value) if now else 0), False
 
     def signals(self, node_id: str) -> RunSignals:
-        """What a running agent polls for, in one read-only transaction (a linearizable read, not a
-        raft proposal): three separate reads were 12 requests/s per agent at the 0.25 s poll."""
-        result = self.store.txn(Txn(success=[Get(self.keys.epoch), Get(self.keys.excluded(node_id)),
-                                             Get(self.keys.stop)]))
-        epoch, excluded, stop = result.results
+        """What a running agent acts on (:mod:`elastic.control.signals` keeps it current)."""
+        return self.signals_of(*self.signal_records(node_id)[0])
+
+    def signal_keys(self, node_id: str) -> list[str]:
+        """The records behind :meth:`signals`: the epoch, this node's exclusion, the stop."""
+        return [self.keys.epoch, self.keys.excluded(node_id), self.keys.stop]
+
+    def signal_records(self, node_id: str) -> tuple[list[KeyValue | None], int]:
+        """The :meth:`signal_keys` records and the revision they were read at, in one read-only
+        transaction (a linearizable read, not a raft proposal; three reads were three requests)."""
+        result = self.store.txn(Txn(success=[Get(key) for key in self.signal_keys(node_id)]))
+        return list(result.results), result.revision
+
+    def signals_of(self, epoch: KeyValue | None, excluded: KeyValue | None, stop: KeyValue | None) -> RunSignals:
         return RunSignals(int(epoch.value) if epoch else 0, self.exclusions.active(excluded), decode(stop))
 
     # -- the leader's membership view ----------------------------------------------
@@ -183,6 +192,13 @@ class RunState:
 
     def nodes(self) -> dict[str, dict[str, Any]]:
         return self._records(self.keys.nodes)
+
+    def node_records(self, nodes: list[str]) -> dict[str, tuple[dict[str, Any] | None, dict[str, Any] | None]]:
+        """Each node's record and roster entry, in one transaction (for a few nodes; :meth:`nodes`
+        and :meth:`members` read every node's)."""
+        ops = [Get(key) for node in nodes for key in (self.keys.node(node), self.keys.member(node))]
+        found = self.store.txn(Txn(success=ops)).results
+        return {node: (decode(found[2 * i]), decode(found[2 * i + 1])) for i, node in enumerate(nodes)}
 
     def put_heartbeat(self, node_id: str, record: dict[str, Any], lease: int | None = None) -> None:
         self._put(self.keys.heartbeat(node_id), record, lease)
@@ -225,9 +241,14 @@ class RunState:
         """The first agent to notice a fault in ``epoch`` (generation ``gen`` of an in-process
         re-formation) records the step its workers stood at (create-only: the others' notices are
         the same fault)."""
-        body = json.dumps({"epoch": epoch, "gen": gen, "step": step, "by": by, "kind": kind, "ts": self.clock()})
-        ok, _ = self.store.compare_and_swap(self.keys.noticed(epoch, gen), body, 0)
+        ok, _ = self.store.compare_and_swap(*self.notice(epoch, step, by, kind, gen), 0)
         return ok
+
+    def notice(self, epoch: int, step: int | None, by: str, kind: str, gen: int = 0) -> tuple[str, str]:
+        """The key and record of :meth:`notice_fault`, for a caller that writes it inside a transaction
+        of its own (create-only there too: a node's generation join)."""
+        body = json.dumps({"epoch": epoch, "gen": gen, "step": step, "by": by, "kind": kind, "ts": self.clock()})
+        return self.keys.noticed(epoch, gen), body
 
     def noticed(self, epoch: int) -> dict[str, Any] | None:
         """The newest fault noticed in ``epoch`` (its latest generation)."""

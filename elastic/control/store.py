@@ -34,7 +34,7 @@ from elastic.control.etcd_security import EtcdSecurity, etcd_error_text, short_s
 from elastic.control.txn import Txn, TxnResult, decode_txn, encode_txn
 from elastic.control.watch import WatchCompacted, WatchStream
 
-__all__ = ["KeyValue", "WatchEvent", "KVStore", "EtcdStore", "StoreError", "StoreUnavailable",
+__all__ = ["KeyValue", "WatchEvent", "KVStore", "EtcdStore", "StoreMeter", "StoreError", "StoreUnavailable",
            "StoreTimeout", "LeaseExpired", "StoreAuthError", "StoreTLSError", "parse_endpoint", "parse_endpoints"]
 
 log = logging.getLogger(__name__)
@@ -76,7 +76,7 @@ class KVStore(Protocol):
     def txn(self, txn: Txn) -> TxnResult:
         """Run one transaction (see :mod:`elastic.control.txn`)."""
 
-    def get_prefix(self, prefix: str) -> list[KeyValue]: ...
+    def get_prefix(self, prefix: str, limit: int = 0) -> list[KeyValue]: ...
     def put(self, key: str, value: bytes | str, lease: int | None = None) -> int: ...
     def delete(self, key: str) -> bool: ...
     def delete_prefix(self, prefix: str) -> int: ...
@@ -105,6 +105,63 @@ _CONNECTION_ERRORS = (
     requests.exceptions.Timeout,
     requests.exceptions.ChunkedEncodingError,
 )
+
+
+class StoreMeter:
+    """What one or more stores sent to etcd and read back: requests, the raft writes among them
+    (puts, deletes, lease grants and revokes, and every transaction that holds a write in either
+    branch: etcd proposes those through raft whether their compare holds or not), watch streams
+    opened and response bytes (HTTP bodies as received, watch streams included).
+
+    ``benchmarks/control_plane.py`` gives every store of one simulated node the same meter, so its
+    figures are per node.  Counted under a lock: eight ranks' threads share one meter, and a bare
+    ``+=`` across threads loses counts.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.requests = 0
+        self.writes = 0
+        self.watches = 0
+        self.bytes_read = 0
+
+    def request(self, write: bool) -> None:
+        with self._lock:
+            self.requests += 1
+            self.writes += int(write)
+
+    def watch(self) -> None:
+        with self._lock:
+            self.requests += 1
+            self.watches += 1
+
+    def read(self, nbytes: int) -> None:
+        with self._lock:
+            self.bytes_read += nbytes
+
+    def totals(self) -> dict[str, int]:
+        with self._lock:
+            return {"requests": self.requests, "writes": self.writes, "watches": self.watches,
+                    "bytes_read": self.bytes_read}
+
+
+_WRITE_PATHS = frozenset({"/kv/put", "/kv/deleterange", "/kv/lease/revoke", "/lease/grant"})
+
+
+def _is_write(path: str, body: dict[str, Any]) -> bool:
+    """Whether etcd proposes this request through raft (see :class:`StoreMeter`)."""
+    if path in _WRITE_PATHS:
+        return True
+    return path == "/kv/txn" and _txn_writes(body)
+
+
+def _txn_writes(body: dict[str, Any]) -> bool:
+    for op in [*body.get("success", []), *body.get("failure", [])]:
+        if "request_put" in op or "request_delete_range" in op:
+            return True
+        if "request_txn" in op and _txn_writes(op["request_txn"]):
+            return True
+    return False
 
 
 def parse_endpoint(endpoint: str, default_port: int = 2379) -> tuple[str, int]:
@@ -151,6 +208,7 @@ class EtcdStore:
         self.endpoints = parse_endpoints(endpoint)
         self._current = 0  # index into endpoints of the member in use (see failover)
         self.requests_sent = 0  # unary requests and watch streams opened (benchmarks report the rate)
+        self.meter: StoreMeter | None = None  # set by benchmarks: exact counts and bytes (StoreMeter)
         self.request_timeout = request_timeout
         self.retry_deadline = retry_deadline
         # Child processes get TLS / auth settings through ELASTIC_ETCD_* (never argv).
@@ -195,10 +253,16 @@ class EtcdStore:
                 host=host, port=port, protocol=self.security.scheme, timeout=timeout,
                 api_path="/v3/", session=self.security.session(f"{self.security.scheme}://{host}:{port}"),
             )
+            client.session.hooks["response"].append(self._metered)
             clients[(index, timeout)] = client
         if self.security.username:
             client.session.headers["Authorization"] = self._auth_token(client)
         return client
+
+    def _metered(self, resp: requests.Response, *args: Any, stream: bool = False, **kwargs: Any) -> None:
+        # A watch's body is its stream: WatchStream counts it chunk by chunk, never read here.
+        if self.meter is not None and not stream:
+            self.meter.read(len(resp.content))
 
     # etcd3gw has no auth support: authenticate over the gateway and send the token as the
     # Authorization header.  etcd expires a token after --auth-token-ttl (300 s) unused or
@@ -321,6 +385,8 @@ class EtcdStore:
     def _post(self, path: str, body: dict[str, Any], what: str, deadline: float | None = None,
               timeout: float | None = None) -> dict[str, Any]:
         self.requests_sent += 1  # approximate under threads (no lock): for rate reports only
+        if self.meter is not None:
+            self.meter.request(_is_write(path, body))
         return self._call(what, lambda c: c.post(c.get_url(path), json=body), deadline, timeout)
 
     # -- KV ----------------------------------------------------------------
@@ -339,8 +405,12 @@ class EtcdStore:
         """Run one transaction (see :mod:`elastic.control.txn`)."""
         return decode_txn(txn, self._post("/kv/txn", encode_txn(txn), "txn"))
 
-    def get_prefix(self, prefix: str) -> list[KeyValue]:
-        body = {"key": b64(prefix), "range_end": prefix_end(prefix), "sort_order": "ASCEND", "sort_target": "KEY"}
+    def get_prefix(self, prefix: str, limit: int = 0) -> list[KeyValue]:
+        """Every key under ``prefix`` in key order; only the first ``limit`` when given."""
+        body: dict[str, Any] = {"key": b64(prefix), "range_end": prefix_end(prefix), "sort_order": "ASCEND",
+                                "sort_target": "KEY"}
+        if limit:
+            body["limit"] = limit
         resp = self._post("/kv/range", body, f"get_prefix {prefix}")
         return [kv_from_json(raw) for raw in resp.get("kvs") or []]
 
@@ -424,6 +494,10 @@ class EtcdStore:
         close it when done.
         """
         return WatchStream(self, key, start_revision, prefix=prefix, idle_s=idle_s, range_end=range_end)
+
+    def watch_keys(self, keys: list[str], start_revision: int, idle_s: float = 30.0) -> WatchStream:
+        """Every change to any of ``keys`` from ``start_revision`` on, over one stream (close it when done)."""
+        return WatchStream.of_keys(self, keys, start_revision, idle_s=idle_s)
 
     def watch_once(self, key: str, start_revision: int, timeout: float, prefix: bool = False) -> WatchEvent | None:
         """First change to ``key`` (or the prefix) at or after ``start_revision``; None on timeout."""

@@ -60,9 +60,10 @@ class Count:
 
 @dataclass(frozen=True, slots=True)
 class Range:
-    """Every key-value under a prefix, in key order."""
+    """Every key-value under a prefix, in key order (the first ``limit`` of them, when given)."""
 
     prefix: str
+    limit: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,7 +110,10 @@ def _encode_op(op: Op) -> dict[str, Any]:
     if isinstance(op, Count):
         return {"request_range": {"key": b64(op.prefix), "range_end": prefix_end(op.prefix), "count_only": True}}
     if isinstance(op, Range):
-        return {"request_range": {"key": b64(op.prefix), "range_end": prefix_end(op.prefix)}}
+        body = {"key": b64(op.prefix), "range_end": prefix_end(op.prefix)}
+        if op.limit:
+            body["limit"] = op.limit
+        return {"request_range": body}
     if isinstance(op, Delete):
         body = {"key": b64(op.key)}
         if op.prefix:

@@ -6,10 +6,16 @@ it.  :class:`WatchStream` holds one streaming ``/v3/watch`` request from a reade
 the stream breaks (member killed, connection idle for ``idle_s``), the thread opens a new one --
 on the next endpoint if connecting fails -- from the revision after the last event it delivered,
 so a failover loses and repeats nothing.  An idle stream costs one request per ``idle_s``.
+
+One stream may watch several ranges (:meth:`WatchStream.of_keys`): the gateway's ``/v3/watch``
+reads every create request in the body, so the three records an agent watches in steady state
+(epoch, its exclusion, stop) cost one stream, not three.  Each range resumes from the revision after
+its own last event: etcd orders events within one watcher, not across the watchers of a stream.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import queue
 import random
@@ -37,18 +43,34 @@ class WatchStream:
     """Batches of :class:`WatchEvent` on ``key`` (or every key under it) from ``start_revision``."""
 
     def __init__(self, store: EtcdStore, key: str, start_revision: int, prefix: bool = False,
-                 idle_s: float = 30.0, range_end: str | None = None) -> None:
+                 idle_s: float = 30.0, range_end: str | None = None,
+                 ranges: list[tuple[str, str | None]] | None = None) -> None:
         self._store = store
-        self._body: dict[str, Any] = {"key": b64(key)}
-        if prefix or range_end is not None:
-            self._body["range_end"] = b64(range_end) if range_end is not None else prefix_end(key)
-        self.next_revision = start_revision
+        if ranges is None:
+            ranges = [(key, range_end)]
+        # Each range as etcd takes it (base64; no end: the key alone) and as bytes, to place events.
+        self._ranges: list[tuple[str, str | None]] = []
+        self._bounds: list[tuple[bytes, bytes | None]] = []
+        for low, high in ranges:
+            end = b64(high) if high is not None else (prefix_end(low) if prefix else None)
+            self._ranges.append((b64(low), end))
+            self._bounds.append((low.encode(), base64.b64decode(end) if end is not None else None))
+        self._next = [start_revision] * len(ranges)  # per range: the revision to resume from
         self._idle_s = idle_s
         self._queue: queue.Queue[list[WatchEvent] | BaseException] = queue.Queue()
         self._stop = threading.Event()
         self._resp: requests.Response | None = None
         self._thread = threading.Thread(target=self._run, name=f"watch-{key[-24:]}", daemon=True)
         self._thread.start()
+
+    @classmethod
+    def of_keys(cls, store: EtcdStore, keys: list[str], start_revision: int, idle_s: float = 30.0) -> WatchStream:
+        """One stream over several single keys."""
+        return cls(store, keys[0], start_revision, idle_s=idle_s, ranges=[(k, None) for k in keys])
+
+    @property
+    def next_revision(self) -> int:
+        return min(self._next)
 
     def get(self, timeout: float) -> list[WatchEvent] | None:
         """The next batch of events, or None if none came within ``timeout`` seconds."""
@@ -93,9 +115,13 @@ class WatchStream:
     def _stream(self, index: int) -> None:
         session, base = self._store.session_for(index)
         self._store.requests_sent += 1
-        body = {"create_request": {**self._body, "start_revision": self.next_revision}}
+        meter = self._store.meter
+        if meter is not None:
+            meter.watch()
+        body = "".join(json.dumps({"create_request": self._create(i)}) for i in range(len(self._ranges)))
         timeout = (self._store.request_timeout, self._idle_s)
-        with session.post(base + "/watch", json=body, stream=True, timeout=timeout) as resp:
+        with session.post(base + "/watch", data=body, headers={"Content-Type": "application/json"}, stream=True,
+                          timeout=timeout) as resp:
             self._resp = resp
             if resp.status_code != 200:
                 raise requests.exceptions.ConnectionError(f"watch: HTTP {resp.status_code} {resp.text[:200]}")
@@ -103,12 +129,21 @@ class WatchStream:
             for chunk in resp.iter_content(chunk_size=None):
                 if self._stop.is_set():
                     return
+                if meter is not None:
+                    meter.read(len(chunk))
                 buffer += chunk
                 while b"\n" in buffer:
                     line, buffer = buffer.split(b"\n", 1)
                     if line.strip():
                         self._handle(json.loads(line))
             raise requests.exceptions.ChunkedEncodingError("watch stream ended")
+
+    def _create(self, i: int) -> dict[str, Any]:
+        key, end = self._ranges[i]
+        body: dict[str, Any] = {"key": key, "start_revision": self._next[i]}
+        if end is not None:
+            body["range_end"] = end
+        return body
 
     def _handle(self, message: dict[str, Any]) -> None:
         if "error" in message:
@@ -118,8 +153,15 @@ class WatchStream:
             raise WatchCompacted(f"revision {self.next_revision} compacted (now {result['compact_revision']})")
         events = [event_from_json(e) for e in result.get("events") or []]
         if events:
-            self.next_revision = max(e.mod_revision for e in events) + 1
+            for event in events:
+                self._advance(event)
             self._queue.put(events)
+
+    def _advance(self, event: WatchEvent) -> None:
+        key = event.key.encode()
+        for i, (low, end) in enumerate(self._bounds):
+            if key == low or (end is not None and low <= key and (key < end or end == b"\0")):
+                self._next[i] = max(self._next[i], event.mod_revision + 1)
 
 
 def _idle(exc: BaseException) -> bool:

@@ -1,9 +1,10 @@
 """In-process recovery on the worker side: survive a lost peer without a new process.
 
 When a collective fails because a peer went away (:func:`is_peer_failure`), a worker does not
-exit.  It tears down its process groups, joins the next generation of the world through etcd
-(:mod:`elastic.control.generations`), opens new process groups on a store served by the new rank
-0, rebuilds its model wrapping for the new world (the trainer's build function) and restores its
+exit.  It tears down its process groups and learns the next generation of the world from its node's
+agent over the local channel (the agent joins the round for the whole node:
+:mod:`elastic.control.generations`; no rank reads etcd on the way), opens new process groups on a
+store served by the new rank 0, rebuilds its model wrapping for the new world (the trainer's build function) and restores its
 state from the per-step memory snapshots (:mod:`elastic.checkpoint.snapshot`): its own from its
 own memory, a replaced worker's from the node agent's store, a lost node's from its buddy's.  No
 process starts except the warm spare that takes a dead worker's slot; nobody re-imports torch.
@@ -43,14 +44,10 @@ from elastic.common.env import WorkerEnv
 from elastic.common.events import EventLog
 from elastic.common.exits import EXIT_RECOVERY_FAILED
 from elastic.common.peers import is_peer_lost
-from elastic.control.generations import Generations, Plan, Slot
-from elastic.control.keys import RunKeys
-from elastic.control.store import EtcdStore, StoreError
+from elastic.control.generations import Plan, Slot
+from elastic.control.store import StoreError
+from elastic.worker.generation import GenerationClient, RecoveryUnavailable
 
-
-
-class RecoveryUnavailable(RuntimeError):
-    """In-process recovery cannot proceed; the run falls back to a restart from disk."""
 
 
 def is_peer_failure(exc: BaseException) -> bool:
@@ -91,19 +88,16 @@ class InProcess:
         self.slot = Slot(env.node_id, local_rank)
         self.epoch = int(env.epoch or 0)
         self.join_timeout_s = float(env.inprocess)
-        self.gens = Generations(EtcdStore(env.etcd_endpoint, request_timeout=2.0, retry_deadline=10.0),
-                                RunKeys(env.run_prefix), self.epoch)
         self.client = (MemStateClient(env.memstate_addr, env.memstate_token, 30.0, keep_alive=True)
                        if env.memstate_addr else None)
+        self.round = GenerationClient(env, local_rank, self.client)  # the rounds, over the local channel
         self.ring = SnapshotRing()
         self.snapshots_on = env.snapshots != "0"
         self.ab_block = int(env.snapshots[3:]) if env.snapshots.startswith("ab:") else 0
         self.costs = SnapshotCosts()
         self._pending_capture = False  # a deferred capture not yet waited for (captured())
         self.pusher = SnapshotPusher(self.client, env.node_id, local_rank, self.epoch, events) if self.client else None
-        self.gen = int(env.join_gen) if env.join_gen else 0
         self.rank = -1
-        self.plan: Plan | None = None
         self.phases: dict[str, float] = {}  # the last re-formation's (PhaseClock)
         self.exact: tuple[bool, str] = (True, "")  # the last restore: bitwise the pre-fault state? (why not)
 
@@ -117,13 +111,25 @@ class InProcess:
     @property
     def joining(self) -> bool:
         """This process is a spare taking over a dead worker's slot (it joins a generation directly)."""
-        return bool(self.env.join_gen)
+        return self.round.joining
+
+    @property
+    def gen(self) -> int:
+        return self.round.gen
+
+    @property
+    def plan(self) -> Plan | None:
+        return self.round.plan
+
+    @property
+    def old_rank(self) -> int:
+        """This slot's rank in the generation before :attr:`plan`'s."""
+        return self.round.old_rank
 
     # -- every step ------------------------------------------------------------------
     def register(self, rank: int) -> None:
+        """The rank torchrun gave this worker (its agent registers the node's slots for generation 0)."""
         self.rank = rank
-        if self.gen == 0:
-            self.gens.register(self.slot, rank)
 
     def snapshot(self, step: int, state: dict[str, Any], extra: dict[str, Any], world: int,
                  deferred: bool = False) -> None:
@@ -187,7 +193,6 @@ class InProcess:
         A plan with fewer nodes than ``min_nodes`` (launch.nodes) raises RecoveryUnavailable on every
         member alike: a fixed-size run never shrinks in-process, it restarts and waits for the node."""
         clock = PhaseClock()
-        previous = self.gens.ranks(self.gen)
         if self.pusher is not None:
             self.pusher.wait()
             self.pusher.take_error()  # the failed world's last capture: moot now
@@ -197,19 +202,15 @@ class InProcess:
             self.events.emit("recovery.severed", connections=shut, gen=self.gen)
             dist.destroy_process_group()
         clock.lap("teardown_s")
-        target = self.gen + (0 if self.joining and self.plan is None else 1)
-        newest = self.ring.newest()
-        self.gens.join(target, self.slot, pid=os.getpid(), old_rank=self.rank,
-                       snapshot_step=newest.step if newest else None)
-        plan = self.gens.wait_plan(target, self._previous(target, previous), self.join_timeout_s)
+        plan = self.round.next_plan()
         clock.lap("generation_s")
-        nodes = len({m.slot.node for m in plan.members})
-        if nodes < min_nodes:
-            raise RecoveryUnavailable(f"generation {plan.gen} has {nodes} nodes; the run needs at least {min_nodes} "
-                                      f"(launch.nodes): restarting from the disk checkpoint")
+        if plan.nodes < min_nodes:
+            raise RecoveryUnavailable(f"generation {plan.gen} has {plan.nodes} nodes; the run needs at least "
+                                      f"{min_nodes} (launch.nodes): restarting from the disk checkpoint")
         self._init_group(plan, backend, pg_timeout)
         clock.lap("process_group_s")
-        self.gen, self.plan, self.phases = plan.gen, plan, clock.laps
+        self.round.adopt(plan)
+        self.phases = clock.laps
         return plan
 
     def _keep_ports(self) -> set[int]:
@@ -217,27 +218,20 @@ class InProcess:
         addrs = [*self.env.etcd_endpoint.split(","), self.env.memstate_addr]
         return {int(a.rpartition(":")[2]) for a in addrs if a.rpartition(":")[2].isdigit()}
 
-    def _previous(self, target: int, known: dict[Slot, int]) -> dict[Slot, int]:
-        return known if target == self.gen + 1 and known else self.gens.ranks(target - 1)
-
     def _init_group(self, plan: Plan, backend: str, pg_timeout: timedelta) -> None:
-        member = plan.member(self.slot)
-        if member is None:
-            raise RecoveryUnavailable(f"slot {self.slot.key()} is not in generation {plan.gen}")
-        self.rank = member.rank
-        store = self._store(plan, member.rank)
-        dist.init_process_group(backend, store=store, rank=member.rank, world_size=plan.world, timeout=pg_timeout)
+        rank = self.rank = self.round.rank_in(plan)
+        store = self._store(plan, rank)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=plan.world, timeout=pg_timeout)
 
     def _store(self, plan: Plan, rank: int) -> dist.Store:
-        """The generation's c10d store, served by its rank 0 (address published in etcd)."""
-        key = self.gens.keys.gen_store(self.epoch, plan.gen)
+        """The generation's c10d store, served by its rank 0: it publishes the address in etcd (one put
+        a round), every other rank hears it from its agent, whose round watch sees that put."""
         if rank == 0:
             store = dist.TCPStore(self.env.local_addr or "127.0.0.1", 0, plan.world, True,
                                   timedelta(seconds=self.join_timeout_s), wait_for_workers=False)
-            self.gens.store.put(key, f"{self.env.local_addr or '127.0.0.1'}:{store.port}")
+            self.round.publish_store(plan.gen, f"{self.env.local_addr or '127.0.0.1'}:{store.port}")
             return store
-        kv = self.gens.store.wait_for_key(key, self.join_timeout_s)
-        host, _, port = kv.value.decode().rpartition(":")
+        host, _, port = self.round.store_address(plan.gen).rpartition(":")
         return dist.TCPStore(host, int(port), plan.world, False, timedelta(seconds=self.join_timeout_s))
 
     # -- restore ------------------------------------------------------------------------------
@@ -247,10 +241,10 @@ class InProcess:
         Returns (step, this rank's per-rank extra or {} when the world changed, where it came from).
         """
         assert self.plan is not None
-        old_world = sorted(self.gens.ranks(self.plan.gen - 1).values())
+        old_world = list(range(self.plan.old_world))
         step = _agree(_holdings(_all_gather(self._offers())), old_world)
         self.exact = self._exactness(old_world)
-        if self.plan.keeps_ranks(len(old_world)):
+        if self.plan.keeps_ranks():
             snap, source = self._own(step)
             _fail_together(snap is None, f"rank {self.rank}: no snapshot of step {step}")
             assert snap is not None
@@ -265,7 +259,7 @@ class InProcess:
         agreed on; only a changed world (ranks renumbered, shards resharded, another data-parallel
         split of the batch) changes the trajectory."""
         assert self.plan is not None
-        if self.plan.keeps_ranks(len(old_world)):
+        if self.plan.keeps_ranks():
             return True, ""
         return False, (f"the world changed from {len(old_world)} to {self.plan.world} ranks in generation "
                        f"{self.plan.gen}: state resharded, batches split anew")
@@ -278,9 +272,7 @@ class InProcess:
         return fetched, "agent memory"
 
     def _old_rank(self) -> int:
-        assert self.plan is not None
-        member = self.plan.member(self.slot)
-        return member.old_rank if member is not None else -1
+        return self.old_rank
 
     def _offers(self) -> dict[int, list[int]]:
         """old rank -> snapshot steps this rank can provide (its own, and what its agent holds for lost slots)."""
@@ -298,8 +290,7 @@ class InProcess:
         return offers
 
     def _lost_nodes(self) -> set[str]:
-        assert self.plan is not None
-        return self.gens.lost(self.plan.gen)
+        return self.round.lost_nodes()
 
     def _agent_metas(self) -> list:
         if self.client is None:

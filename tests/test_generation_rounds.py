@@ -1,0 +1,234 @@
+"""Generation rounds, one participant per node, on the in-memory store: the plan as a delta, one
+coordinator closing each round, its deputy taking over, two faults in one round, late nodes."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+
+from elastic.control.generations import GenerationFailed, Generations, Plan, Slot, plan_next, ranks_at
+from elastic.control.genround import NodeRound
+from elastic.control.keys import RunKeys
+from elastic.control.memstore import MemoryStore
+
+KEYS = RunKeys.of("/elastic", "rounds")
+RPN = 2  # ranks per node in these tests
+
+
+def _roster(nodes: int) -> dict[str, dict[int, int]]:
+    return {f"n{i}": {local: i * RPN + local for local in range(RPN)} for i in range(nodes)}
+
+
+def _registered(nodes: int) -> Generations:
+    gens = Generations(MemoryStore(), KEYS, epoch=0)
+    for node, ranks in _roster(nodes).items():
+        gens.register_node(node, ranks)
+    return gens
+
+
+class Probes:
+    """Each node's probe verdicts, and who probed whom (lost-node discovery is the coordinator's)."""
+
+    def __init__(self, gone: set[str] = frozenset()) -> None:
+        self.gone = set(gone)
+        self.calls: list[tuple[str, str]] = []
+        self._lock = threading.Lock()
+
+    def of(self, by: str):
+        def probe(nodes: list[str]) -> dict[str, str]:
+            with self._lock:
+                self.calls += [(by, node) for node in nodes]
+            return {node: "refused" if node in self.gone else "" for node in nodes}
+        return probe
+
+
+def _rounds(gens: Generations, gen: int, nodes: list[str], probes: Probes, previous: Plan | None = None,
+            delay: dict[str, float] | None = None, timeout_s: float = 5.0, takeover_s: float = 5.0,
+            roster: dict | None = None) -> dict[str, Plan | Exception]:
+    """Every node of ``nodes`` joins generation ``gen`` in a thread (after ``delay``); node -> plan or error."""
+    roster = roster or gens.roster()
+    ranks = ranks_at(roster, previous)
+    out: dict[str, Plan | Exception] = {}
+
+    def one(node: str) -> None:
+        time.sleep((delay or {}).get(node, 0.0))
+        mine = {local: ranks[Slot(node, local)] for local in roster[node]}
+        notice = (KEYS.noticed(0, gen - 1), json.dumps({"by": node, "kind": "peer_lost"}))
+        round_ = NodeRound(gens, node, gen, mine, previous, probes.of(node), timeout_s, poll_s=0.05,
+                           takeover_s=takeover_s, notice=notice)
+        try:
+            out[node] = round_.run()
+        except GenerationFailed as exc:
+            out[node] = exc
+        finally:
+            round_.close()
+
+    threads = [threading.Thread(target=one, args=(n,)) for n in nodes]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout_s + 5)
+    return out
+
+
+def _one_plan(out: dict[str, Plan | Exception]) -> Plan:
+    plans = {p for p in out.values() if isinstance(p, Plan)}
+    assert len(plans) == 1, out
+    return plans.pop()
+
+
+def test_a_plan_is_a_delta_that_keeps_rank_order():
+    roster = _roster(3)
+    joined = {n: dict(s) for n, s in roster.items()}
+    assert plan_next(1, roster, None, {"n0": roster["n0"]}, set()) is None  # still waiting for two nodes
+    same = plan_next(1, roster, None, joined, set(), by="n0")
+    assert same.keeps_ranks() and same.world == 6 and same.rank_of(3) == 3 and same.nodes == 3
+    shrunk = plan_next(1, roster, None, {"n0": roster["n0"], "n2": roster["n2"]}, {"n1"})
+    assert shrunk.dropped == (2, 3) and shrunk.world == 4 and shrunk.lost == ("n1",) and shrunk.gone == ("n1",)
+    assert [shrunk.rank_of(r) for r in range(6)] == [0, 1, None, None, 2, 3]
+    assert Plan.from_record(json.loads(shrunk.to_json())) == shrunk
+    # The next round builds on it: generation-1 ranks, then n2 lost as well.
+    assert ranks_at(roster, shrunk) == {Slot("n0", 0): 0, Slot("n0", 1): 1, Slot("n2", 0): 2, Slot("n2", 1): 3}
+    second = plan_next(2, roster, shrunk, {"n0": {0: 0, 1: 1}}, {"n2"})
+    assert second.old_world == 4 and second.dropped == (2, 3) and second.world == 2
+    assert second.gone == ("n1", "n2") and second.dropped0 == (2, 3, 4, 5) and second.nodes == 1
+
+
+def test_every_node_gets_one_plan_closed_by_the_first_node_alone():
+    gens = _registered(6)
+    probes = Probes()
+    out = _rounds(gens, 1, [f"n{i}" for i in range(6)], probes)
+    plan = _one_plan(out)
+    assert plan.by == "n0" and plan.keeps_ranks() and plan.world == 12 and plan.nodes == 6
+    # Every probe of the round came from the coordinator or its deputy, never from the other nodes.
+    assert {by for by, _ in probes.calls} <= {"n0", "n1"}
+    # The run's note of the fault: written once, inside the first join's transaction.
+    assert json.loads(gens.store.get(KEYS.noticed(0, 0)).value)["kind"] == "peer_lost"
+
+
+def test_a_lost_node_is_found_and_named_once_by_the_coordinator():
+    gens = _registered(5)
+    probes = Probes(gone={"n3"})
+    out = _rounds(gens, 1, ["n0", "n1", "n2", "n4"], probes)
+    plan = _one_plan(out)
+    assert plan.lost == ("n3",) and plan.world == 8 and plan.rank_of(8) == 6  # n4's first slot moves down
+    assert [node for by, node in probes.calls if node == "n3"] and {by for by, n in probes.calls if n == "n3"} == {"n0"}
+    record = json.loads(gens.store.get(KEYS.gen_lost(0, 1, "n3")).value)
+    assert record["by"] == "n0" and record["reason"] == "refused"
+
+
+def test_the_coordinator_lost_mid_round_is_replaced_by_its_deputy():
+    """n0 joined, then its node died before it closed the round: n1 (its deputy) finds it gone,
+    declares it lost -- the hand-over everyone sees -- and closes the round without it."""
+    gens = _registered(4)
+    gens.join_node(1, "n0", {0: 0, 1: 1}, head_limit=3)  # its join is in, its agent is gone
+    probes = Probes(gone={"n0"})
+    out = _rounds(gens, 1, ["n1", "n2", "n3"], probes)
+    plan = _one_plan(out)
+    assert plan.by == "n1" and plan.lost == ("n0",) and plan.world == 6 and plan.rank_of(2) == 0
+    # The next round starts from it: n0 is gone, so n1 coordinates generation 2 from the start.
+    out2 = _rounds(gens, 2, ["n1", "n2", "n3"], Probes(), previous=plan)
+    assert _one_plan(out2).by == "n1" and _one_plan(out2).world == 6
+
+
+def test_two_faults_in_one_round_coordinator_and_deputy_both_gone():
+    """n0 and n1 are lost together: nobody is left to probe them for their role, so the reserves (n2,
+    n3) take over after ``takeover_s``; one plan drops both nodes; n4 and n5 probe no one."""
+    gens = _registered(6)
+    probes = Probes(gone={"n0", "n1"})
+    out = _rounds(gens, 1, ["n2", "n3", "n4", "n5"], probes, takeover_s=0.3)
+    plan = _one_plan(out)
+    assert plan.lost == ("n0", "n1") and plan.world == 8 and plan.by == "n2"
+    assert {by for by, _ in probes.calls} <= {"n2", "n3"}
+
+
+def test_two_faults_in_one_round_a_lost_node_and_a_replaced_worker():
+    """n2's worker died (its spare holds the slot) while n3 was lost: n2 joins with both slots, the
+    plan drops n3 only."""
+    gens = _registered(4)
+    out = _rounds(gens, 1, ["n0", "n1", "n2"], Probes(gone={"n3"}), delay={"n2": 0.3})
+    plan = _one_plan(out)
+    assert plan.lost == ("n3",) and plan.world == 6 and plan.rank_of(4) == 4
+
+
+def test_a_slow_node_is_waited_for_and_a_node_back_after_its_loss_is_left_out():
+    gens = _registered(3)
+    out = _rounds(gens, 1, ["n0", "n1", "n2"], Probes(), delay={"n2": 0.6})  # alive (probe ok), late
+    assert _one_plan(out).world == 6 and _one_plan(out).lost == ()
+    # Generation 2: n2 is declared lost, then its agent joins after all: the round does not take it
+    # back, and that agent learns it is out (its workers fall back to a restart).
+    plan1 = _one_plan(out)
+    gens.mark_lost(2, "n2", by="n0", reason="refused")
+    out2 = _rounds(gens, 2, ["n0", "n1", "n2"], Probes(), previous=plan1, delay={"n2": 0.3})
+    assert isinstance(out2["n2"], GenerationFailed) and "declared lost" in str(out2["n2"])
+    assert out2["n0"] == out2["n1"] and out2["n0"].lost == ("n2",) and out2["n0"].world == 4
+
+
+def test_a_round_that_cannot_close_fails_naming_the_missing_node():
+    gens = _registered(3)
+    out = _rounds(gens, 1, ["n0", "n2"], Probes(), timeout_s=0.5)  # n1 neither joins nor is lost
+    assert isinstance(out["n0"], GenerationFailed) and "['n1']" in str(out["n0"])
+    assert isinstance(out["n2"], GenerationFailed)
+
+
+def test_a_round_without_a_registered_generation_zero_fails_at_once():
+    gens = Generations(MemoryStore(), KEYS, epoch=0)
+    started = time.monotonic()
+    with pytest.raises(GenerationFailed, match="no node registered"):
+        NodeRound(gens, "n0", 1, {0: 0}, None, lambda nodes: {}, timeout_s=5).run()
+    assert time.monotonic() - started < 1
+
+
+def test_a_node_reads_small_records_only():
+    """Only the coordinator reads every join (once); the others read the round's control keys."""
+    gens = _registered(8)
+    reads: dict[str, int] = {}
+    real = gens.store.get_prefix
+
+    def counting(prefix: str, limit: int = 0):
+        reads[prefix] = reads.get(prefix, 0) + 1
+        return real(prefix, limit)
+
+    gens.store.get_prefix = counting  # type: ignore[method-assign]
+    out = _rounds(gens, 1, [f"n{i}" for i in range(8)], Probes(), roster=_roster(8))
+    assert _one_plan(out).world == 16
+    assert reads == {KEYS.gen_members(0): 1, KEYS.generation(0, 1): 1}  # the coordinator's two reads
+
+
+def test_a_worker_learns_its_generation_from_its_agent_only():
+    """The worker side (GenerationClient): the plan and this slot's old rank from the agent's board,
+    the spare included; a failed round or no channel is RecoveryUnavailable (a restart from disk)."""
+    from elastic.checkpoint.memstate import MemStateRejected, RoundBoard
+    from elastic.common.env import WorkerEnv
+    from elastic.worker.generation import GenerationClient, RecoveryUnavailable
+
+    board = RoundBoard()
+
+    class Channel:
+        def round_wait(self, epoch, gen, name, timeout_s):
+            reply = board.wait(epoch, gen, name, timeout_s)
+            if not reply["ok"]:
+                raise MemStateRejected(reply["error"])
+            return reply["value"]
+
+    env = WorkerEnv(node_id="n1", run_prefix="/elastic/runs/w", epoch="0", inprocess="0.5",
+                    etcd_endpoint="127.0.0.1:1")
+    plan = plan_next(1, _roster(2), None, {"n1": {0: 2, 1: 3}}, {"n0"})
+    board.post(0, 1, "plan", {"plan": json.loads(plan.to_json()), "slots": {"0": 2, "1": 3}})
+    board.post(0, 1, "store", "10.0.0.1:5")
+    survivor = GenerationClient(env, 1, Channel())
+    got = survivor.next_plan()
+    assert got == plan and survivor.old_rank == 3 and survivor.rank_in(got) == 1
+    assert survivor.store_address(1) == "10.0.0.1:5"
+    survivor.adopt(got)
+    assert survivor.gen == 1 and survivor.lost_nodes() == {"n0"}
+    spare = GenerationClient(WorkerEnv(**{**env.__dict__, "join_gen": "1"}), 0, Channel())
+    assert spare.joining and spare.rank_in(spare.next_plan()) == 0  # the dead worker's rank, from the agent
+    board.fail(0, 2, ("plan", "store"), "generation 2: no plan within 60s")
+    with pytest.raises(RecoveryUnavailable, match="no plan within"):
+        survivor.next_plan()
+    with pytest.raises(RecoveryUnavailable, match="no agent channel"):
+        GenerationClient(env, 0, None).next_plan()

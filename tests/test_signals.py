@@ -1,0 +1,140 @@
+"""The agent's run-wide signals (epoch, exclusion, stop) over one watch stream, not a poll: on the
+in-memory store, and on a real etcd that is killed and restarted under the stream."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from elastic.control.keys import RunKeys
+from elastic.control.memstore import FakeClock, MemoryStore
+from elastic.control.runstate import RunSignals, RunState
+from elastic.control.signals import SignalWatch
+from elastic.control.store import EtcdStore, StoreMeter
+
+KEYS = RunKeys.of("/elastic", "sig")
+
+
+class CountingStore(MemoryStore):
+    """Counts the reads :class:`SignalWatch` makes (a transaction each)."""
+
+    def __init__(self, clock=time.monotonic) -> None:
+        super().__init__(clock)
+        self.reads = 0
+
+    def txn(self, txn):
+        self.reads += 1
+        return super().txn(txn)
+
+
+def test_the_watch_follows_epoch_exclusion_and_stop_after_one_read():
+    clock = FakeClock()
+    store = CountingStore()
+    state = RunState(store, KEYS, clock=clock)
+    watch = SignalWatch(state, "n1", clock=clock)
+    assert watch.current() == RunSignals(0, None, None) and store.reads == 1
+    state.bump_epoch(0)
+    state.exclusions.add("n2", "other node")  # not this node's record: no effect
+    assert watch.current() == RunSignals(1, None, None)
+    state.exclusions.add("n1", "slow", ttl_s=60, by="leader")
+    assert watch.current().excluded["reason"] == "slow"
+    clock.advance(61)
+    assert watch.current().excluded is None  # expired: judged at every look, no new event needed
+    state.request_stop("operator", by="cli")
+    assert watch.current().stop["reason"] == "operator"
+    assert store.reads == 1  # every change came over the stream
+
+
+class BrokenStream:
+    def get(self, timeout):
+        raise RuntimeError("stream gone for good")
+
+    def close(self):
+        pass
+
+
+def test_a_stream_that_fails_for_good_falls_back_to_a_read_and_a_new_stream():
+    clock = FakeClock()
+    store = CountingStore()
+    state = RunState(store, KEYS, clock=clock)
+    watch = SignalWatch(state, "n1", retry_s=0.25, clock=clock)
+    watch.current()
+    watch._stream = BrokenStream()
+    state.bump_epoch(0)
+    clock.advance(1)
+    assert watch.current().epoch == 1  # read again, and a new stream opened
+    assert store.reads == 2 and watch.restarts == 1
+    state.bump_epoch(1)
+    assert watch.current().epoch == 2 and store.reads == 2
+
+
+def test_an_unreachable_store_is_read_at_most_once_per_retry_interval():
+    clock = FakeClock()
+    store = CountingStore()
+    state = RunState(store, KEYS, clock=clock)
+    watch = SignalWatch(state, "n1", retry_s=0.25, clock=clock)
+    watch._next_start = clock() + 0.25  # a start just failed
+    assert watch.current() == RunSignals(0, None, None) and store.reads == 0  # last known, no read
+    clock.advance(0.3)
+    watch.current()
+    assert store.reads == 1
+
+
+def _until(predicate, timeout: float = 10.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    return predicate()
+
+
+def test_one_stream_over_three_keys_costs_nothing_idle_and_survives_an_etcd_restart(etcd_server):
+    """etcd3gw's own watches die silently with their server (shared/reference/etcd-probe.md); the
+    signal watch is re-established and the epoch bumped while etcd was down is still seen."""
+    store = EtcdStore(etcd_server.endpoint, request_timeout=2.0, retry_deadline=5.0)
+    store.meter = StoreMeter()
+    state = RunState(store, KEYS)
+    writer = RunState(EtcdStore(etcd_server.endpoint, request_timeout=2.0, retry_deadline=10.0), KEYS)
+    with SignalWatch(state, "n1") as watch:
+        assert watch.current() == RunSignals(0, None, None)
+        writer.exclusions.add("n1", "slow")
+        assert _until(lambda: watch.current().excluded)["reason"] == "slow"
+        writer.exclusions.clear("n1")
+        writer.bump_epoch(0)
+        assert _until(lambda: watch.current().epoch == 1 and watch.current().excluded is None)
+        before = store.meter.totals()["requests"]
+        for _ in range(20):
+            watch.current()
+            time.sleep(0.05)
+        assert store.meter.totals()["requests"] == before  # idle: no request at all
+        etcd_server.kill()
+        time.sleep(0.5)
+        etcd_server.start()
+        writer.bump_epoch(1)
+        writer.request_stop("operator", by="test")
+        assert _until(lambda: watch.current().epoch == 2 and watch.current().stop is not None, timeout=20)
+        assert watch.restarts == 0  # the stream resumed from its revision: nothing re-read
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("member", [0])
+def test_the_watch_moves_to_another_member_and_resumes(tmp_path, member):
+    """Three members: the one the stream reads from is killed; the stream moves on, losing nothing."""
+    from elastic.control.etcd_cluster import EtcdCluster
+
+    cluster = EtcdCluster(tmp_path / "etcd", members=3)
+    cluster.start()
+    try:
+        state = RunState(EtcdStore(cluster.endpoints, request_timeout=1.0, retry_deadline=10.0), KEYS)
+        writer = RunState(EtcdStore(cluster.endpoints, request_timeout=1.0, retry_deadline=20.0), KEYS)
+        with SignalWatch(state, "n1") as watch:
+            assert watch.current().epoch == 0
+            cluster.kill(member)
+            writer.bump_epoch(0)
+            assert _until(lambda: watch.current().epoch == 1, timeout=20)
+            assert watch.restarts == 0
+    finally:
+        cluster.close()
