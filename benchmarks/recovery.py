@@ -12,6 +12,11 @@ Modes (each runs once fault-free, for its reference checksum, and once with the 
   replicas       torchft replica groups (``replicas.enabled``: trainer.ft_train for the MLP, trainer.dit_ft_train
                  for the DiT): the other groups keep training, the restarted group heals from a live peer
 
+``--peer-failure hang`` runs every mode with ``ELASTIC_TEST_PEER_FAILURE=hang``: a collective whose
+peer died blocks instead of raising, as NCCL's does, so the in-process mode recovers only through
+the pushed fault (plain torchrun's agents do not depend on a collective raising: they restart on
+the rendezvous).  ``breakdown.abort_s`` is then the fault's push -> the last survivor unwound.
+
 Faults: ``kill_worker`` SIGKILLs rank 1's worker; ``kill_node`` SIGKILLs the last node whole (agent
 or torchrun, and its workers), with an elastic range of nodes-1:nodes so the run goes on without it.
 Both land once the run has committed step ``--kill-at``.
@@ -56,6 +61,7 @@ from recovery_torchrun import env, make_config, run_c10d_nodes, wait_step  # noq
 
 from elastic.common.events import read_run_events  # noqa: E402
 from elastic.common.procs import descendants  # noqa: E402
+from elastic.worker.faultwatch import PEER_FAILURE_ENV  # noqa: E402
 from elastic.worker.inprocess import ab_snapshot_step  # noqa: E402
 
 MODES = ("torchrun_c10d", "runtime_ckpt", "inprocess", "replicas")
@@ -342,7 +348,12 @@ def breakdown(events: list[dict], kill_ts: float, first_step_ts: float) -> dict 
         for name, value in e["phases"].items():
             phases[name] = max(phases.get(name, 0.0), value)
     last = max(e["ts"] for e in recovered)
+    pushed = [e["ts"] for e in events if e["kind"] == "agent.fault_pushed" and e["ts"] > kill_ts]
+    unwound = [e["fault_to_unwound_s"] for e in recovered if e.get("fault_to_unwound_s") is not None]
     return {"noticed_s": round(min(noticed) - kill_ts, 3) if noticed else None,
+            "pushed_s": round(min(pushed) - kill_ts, 3) if pushed else None,
+            "abort_s": round(max(unwound), 3) if unwound else None,
+            "unwound_by": sorted({e["unwound_by"] for e in recovered if e.get("unwound_by")}),
             "phases_slowest_rank_s": {k: round(v, 3) for k, v in phases.items()},
             "all_recovered_s": round(last - kill_ts, 3),
             "first_step_after_recovered_s": round(first_step_ts - last, 3),
@@ -363,6 +374,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kill-at", type=int, default=0, help="default: 100 (mlp), 40 (dit)")
     p.add_argument("--step-sleep", type=float, default=0.05)
     p.add_argument("--preflight", action="store_true", help="keep the agents' diag screens on")
+    p.add_argument("--peer-failure", choices=("raise", "hang"), default="raise",
+                   help="hang: collectives whose peer died block (NCCL's behaviour) instead of raising (gloo's)")
     p.add_argument("--keep", help="keep run directories here instead of a temporary directory")
     p.add_argument("--only", choices=MODES, action="append")
     p.add_argument("--snapshot-ab-runs", type=int, default=3,
@@ -384,6 +397,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.peer_failure == "hang":
+        os.environ[PEER_FAILURE_ENV] = "hang"  # every launched process inherits it (recovery_torchrun.env)
     modes = list(args.only or MODES)
     load_before = load_avg()
     results: dict[str, dict] = {}
@@ -403,7 +418,7 @@ def main(argv: list[str] | None = None) -> int:
         "setup": {"nodes": args.nodes, "nproc_per_node": 1, "trainer": args.trainer, "fault": args.fault,
                   "steps": args.steps, "ckpt_interval": args.interval, "kill_at_step": args.kill_at,
                   "step_sleep_s": args.step_sleep, "backend": "gloo/cpu", "cpus": os.cpu_count(),
-                  "preflight_screens": args.preflight},
+                  "preflight_screens": args.preflight, "peer_failure": args.peer_failure},
         "load_avg_1m": {"before": load_before, "after": load_avg()},
         **results,
     }

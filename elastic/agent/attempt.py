@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from elastic.agent.classify import FailureKind
-from elastic.common.env import WorkerEnv
+from elastic.common.env import ABORT_SAFE_ENV, WorkerEnv
 from elastic.common.procs import child_preexec, children, descendants, terminate_tree
 from elastic.control.keys import BACKEND_NAME
 
@@ -142,6 +142,9 @@ class TorchrunAttempt:
         # the previous attempt's addresses); a fresh MASTER_PORT per attempt works.
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
         env["OMP_NUM_THREADS"] = env.get("OMP_NUM_THREADS", "1")
+        if self.worker_env.inprocess:
+            for name, value in ABORT_SAFE_ENV.items():
+                env.setdefault(name, value)
         for name, value in self.worker_env.to_env().items():
             if value:
                 env[name] = value

@@ -81,6 +81,7 @@ class HeartbeatMonitor:
         self.first_step_at: float | None = None
         self.finished = False  # the trainer said it is done: silence from here on is shutdown
         self._cpu_at_silence: dict[int, float] = {}
+        self.culprit_pid: int | None = None  # the process the last CULPRIT verdict named
 
     def recovering(self) -> None:
         """A peer was lost and the world re-forms in-process: no verdict for ``recovery_grace_s``."""
@@ -140,15 +141,19 @@ class HeartbeatMonitor:
         return Silence.SUSPECT, f"all local ranks blocked {silent:.1f}s > step_timeout_s={self.config.step_timeout_s:g}"
 
     def _local_culprit(self) -> str:
+        """Why a local rank is the hang's culprit ("" when none is); :attr:`culprit_pid` names it."""
+        self.culprit_pid = None
         for rank, view in sorted(self.ranks.items()):
             sample = sample_proc(view.pid)
             if sample is None:
                 continue
             if sample.state in ("T", "t"):
+                self.culprit_pid = view.pid
                 return f"rank {rank} (pid {view.pid}) is stopped"
             # A rank that keeps burning CPU while silent is spinning, not waiting.
             before = self._cpu_at_silence.setdefault(rank, sample.cpu_s)
             if sample.state == "R" and sample.cpu_s - before > 0.5 * self.config.step_timeout_s:
+                self.culprit_pid = view.pid
                 return f"rank {rank} (pid {view.pid}) is running without progress"
         return ""
 

@@ -25,8 +25,10 @@ a full restart through a new torchrun, from the disk checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -37,6 +39,7 @@ from collections.abc import Callable
 from elastic.agent.attempt import AttemptResult, NodeSpec, Outcome, TorchrunAttempt
 from elastic.agent.classify import FailureKind, stopping_failure
 from elastic.agent.config import InProcessConfig
+from elastic.agent.peerwatch import PeerWatch
 from elastic.checkpoint.memclient import MemStateClient
 from elastic.checkpoint.memstate import MemStateError, MemStateServer, RoundBoard, SnapMeta
 from elastic.common.env import WorkerEnv
@@ -73,6 +76,12 @@ class BuddyLink:
                 pass
         return self._buddy
 
+    def skip(self, node: str) -> None:
+        """``node`` is gone: the next node of the ring is the buddy (its record outlives it until its
+        lease expires, so it is skipped for a while)."""
+        self._failed[node] = time.monotonic() + 30.0
+        self._buddy = None
+
     def forward(self, meta: SnapMeta, data: bytearray) -> None:
         buddy = self.buddy()
         if buddy is None:
@@ -81,10 +90,7 @@ class BuddyLink:
         try:
             self._client(node, addr, token).snap_put(meta, data, replica=True)
         except (MemStateError, OSError, ValueError) as exc:
-            # The buddy may be gone: the next node of the ring takes over (its record may outlive it
-            # until its lease expires, so it is skipped for a while).
-            self._failed[node] = time.monotonic() + 30.0
-            self._buddy = None
+            self.skip(node)  # the buddy may be gone: the next node of the ring takes over
             self.events.emit("agent.buddy_push_failed", buddy=node, step=meta.step, error=str(exc)[:300])
 
     def _client(self, node: str, addr: str, token: str) -> MemStateClient:
@@ -110,7 +116,8 @@ def memory_store(spec: NodeSpec, state: RunState, events: EventLog, memory_mib: 
     loopback = spec.local_addr.startswith("127.") or spec.local_addr == "localhost"
     server = MemStateServer(size, events, host="127.0.0.1" if inprocess is None or loopback else "0.0.0.0")
     if inprocess is not None:
-        server.replicate = BuddyLink(spec.node_id, state, events, inprocess.probe_timeout_s * 5).forward
+        server.buddy_link = BuddyLink(spec.node_id, state, events, inprocess.probe_timeout_s * 5)
+        server.replicate = server.buddy_link.forward
     return server
 
 
@@ -208,6 +215,8 @@ class InProcessWorkers:
         self._closed = threading.Event()  # set when the node's workers are done or stopped: rounds end
         self._attempt: TorchrunAttempt | None = None
         self.on_replace = lambda: None  # the supervisor's heartbeat monitor: the slot is re-forming
+        self._hung: dict[int, str] = {}  # pid -> the hang verdict it was killed for
+        self.peers = PeerWatch(spec.node_id, self._buddy, self._peer_gone, config.probe_timeout_s)
         self.drain_reports = lambda: None  # the supervisor: read the reports queued so far (observe())
 
     # -- reports --------------------------------------------------------------------------
@@ -312,9 +321,11 @@ class InProcessWorkers:
                 return result
         if len(self.finished) >= self.spec.nproc_per_node:
             self._closed.set()
+            self.peers.close()
             self.events.emit("agent.workers_done", gen=self.gen)
             return AttemptResult(Outcome.SUCCEEDED, 0)
         self.join_wanted()
+        self.peers.check()
         return None
 
     def _death(self, local: int, pid: int, rc: int, on_failure) -> AttemptResult | None:
@@ -322,11 +333,17 @@ class InProcessWorkers:
         # A config error or failing saves: a spare would fail the same way (the worker said why in its log).
         stopping = stopping_failure(rc, self._attempt.log_text() if self._attempt else "")
         kind, detail = stopping if stopping is not None else (_death_kind(rc), detail)
+        if pid in self._hung:  # killed here after a hang verdict: the hang is the failure
+            kind, detail = FailureKind.HANG, f"{self._hung[pid]} (killed, its slot replaced in-process)"
         result = AttemptResult(Outcome.FAILED, rc, kind=kind, detail=detail, gen=self.gen + 1, step=self.step,
                                attempt_dir=self._attempt.dir if self._attempt else None)
         if stopping is not None or rc in _DELIBERATE:  # the worker chose to leave: the agent's usual path decides
             return result
         reason = self._no_replacement(result, on_failure)
+        if reason is None:
+            # The survivors first: under NCCL nothing of theirs raises, they wait in the dead
+            # worker's collective until told (elastic.worker.faultwatch).
+            self.push_fault(self.spec.node_id, "hang" if pid in self._hung else "worker_died", detail)
         if reason is None and self._replace(local, detail):
             return None
         self.events.emit("agent.inprocess_fallback", local_rank=local, rc=rc, detail=detail,
@@ -469,6 +486,65 @@ class InProcessWorkers:
         except StoreError as exc:
             self.events.emit("agent.store_error", op="record_fault", error=str(exc)[:300])
 
+    # -- pushed faults ------------------------------------------------------------------------------
+    def push_fault(self, node: str, kind: str, reason: str) -> None:
+        """Tell every worker of the run that generation ``self.gen`` broke: this node's through the
+        board at once, every other agent through one etcd put its signal watch delivers.  A fault
+        of this generation already posted (pushed by another agent) is not put again."""
+        record = {"epoch": self.epoch, "gen": self.gen, "node": node, "kind": kind, "reason": reason[:300],
+                  "by": self.spec.node_id, "ts": time.time()}
+        if not self.board.post_fault(self.epoch, record):
+            return
+        try:
+            self.state.push_fault(record)
+        except StoreError as exc:
+            self.events.emit("agent.store_error", op="push_fault", error=str(exc)[:300])
+        self.events.emit("agent.fault_pushed", gen=self.gen, node=node, fault_kind=kind, reason=reason[:300],
+                         put_s=round(time.time() - record["ts"], 4))
+
+    def heard_fault(self, record: dict) -> None:
+        """Another agent's pushed fault (from the signal watch's thread): to this node's workers."""
+        if int(record.get("epoch", -1)) != self.epoch or not self.detached:
+            return
+        if self.board.post_fault(self.epoch, record):
+            self.events.emit("agent.fault_heard", gen=record.get("gen"), node=record.get("node"),
+                             fault_kind=record.get("kind"), by=record.get("by"),
+                             since_push_s=round(time.time() - float(record.get("ts", time.time())), 4))
+
+    def kill_hung(self, pid: int, verdict: str) -> bool:
+        """A hang verdict named this slot's process: kill it (SIGKILL ends a stopped process too);
+        its death is then handled as any other (pushed, replaced by the spare).  False when the pid
+        is not one of this agent's workers."""
+        if pid not in self.pids.values() or pid in self._hung:
+            return False
+        self._hung[pid] = verdict
+        self.events.emit("agent.hang_kill", worker_pid=pid, verdict=verdict)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        return True
+
+    def _buddy(self) -> tuple[str, str, str] | None:
+        link = self.memstate.buddy_link if self.memstate is not None else None
+        return link.buddy() if link is not None else None
+
+    def _peer_gone(self, node: str, addr: str, reason: str) -> None:
+        """The ring successor's hold broke: if its agent is really gone (record gone, or refusing:
+        the round's own verdict), push the fault and join the next round, whose coordinator probes
+        whoever does not join.  A node that left the roster cleanly (it finished) is no loss."""
+        if self._closed.is_set():
+            return
+        try:
+            verdict = self._verdict(node, self.state.node_records([node])[node], {})
+        except StoreError as exc:
+            self.events.emit("agent.store_error", op="peer_gone", error=str(exc)[:300])
+            return
+        if not verdict:
+            return  # it answers, or finished: the watch re-holds the ring's successor
+        if self.memstate is not None and self.memstate.buddy_link is not None:
+            self.memstate.buddy_link.skip(node)
+        self.push_fault(node, "node_lost", f"node {node}: {reason}; {verdict}")
+        self.want(self.gen + 1)
+
     # -- stop -------------------------------------------------------------------------------------------------
     def stop(self, grace_s: float) -> list[int]:
         pids = [pid for local, pid in self.pids.items() if local not in self.finished]
@@ -476,6 +552,7 @@ class InProcessWorkers:
             pids.append(self.spare.pid)
             self.spare = None
         self._closed.set()
+        self.peers.close()
         terminate_tree(None, pids, grace_s)
         for pid in pids:
             reap_quietly(pid)

@@ -93,8 +93,10 @@ class Supervisor:
     def open_signals(self) -> SignalWatch:
         """The run-wide signals for the attempt about to be watched: one stream, read and opened on
         first use (so etcd being down at the start does not delay the attempt)."""
+        workers = self.workers
         self.signals = SignalWatch(self.state, self.node_id, idle_s=self.config.watch_idle_s,
-                                   retry_s=self.config.epoch_poll_s)
+                                   retry_s=self.config.epoch_poll_s,
+                                   on_fault=workers.heard_fault if workers is not None else None)
         return self.signals
 
     def _loop(self, attempt: TorchrunAttempt, epoch: int, stop_reason: Callable[[], str]) -> AttemptResult:
@@ -153,6 +155,8 @@ class Supervisor:
             self.workers.observe(report)
             if self.workers.ready() and attempt.running:
                 self.workers.detach(attempt, attempt.worker_env)
+        if kind in ("fault", "recovered"):
+            self.monitor.observe(report)  # a re-formation under way, or over: silence is expected
         if kind == "step":
             first = self.monitor.first_step_at is None
             self.monitor.observe(report)
@@ -208,6 +212,18 @@ class Supervisor:
             return AttemptResult(Outcome.PEER_RESTART)
         return None
 
+    def _replace_hung(self, detail: str) -> bool:
+        """In-process: the hung rank's process is killed and its slot goes to the spare like any
+        dead worker's (the fault is pushed, the others re-form); the rest of the run goes on."""
+        workers, pid = self.workers, self.monitor.culprit_pid
+        if workers is None or not workers.detached or pid is None or workers.spare is None:
+            return False
+        if not workers.kill_hung(pid, detail):
+            return False
+        self.monitor.recovering()
+        self.hangs.reset()
+        return True
+
     def _screen_failed(self, attempt: TorchrunAttempt) -> AttemptResult | None:
         if self.screened is None or self.screened.passed:
             return None
@@ -232,6 +248,8 @@ class Supervisor:
         kind = _SILENCE_KIND[verdict]
         self.events.emit("agent.hang_detected", verdict=verdict.value, detail=detail, epoch=epoch,
                          silent_s=round(self.monitor.silent_for(), 3))
+        if verdict == Silence.CULPRIT and self._replace_hung(detail):
+            return None
         # Tell the peers first: they are blocked behind this hang and should not each
         # wait out their own stall timeout while this node tears its workers down.
         self.records.quietly("bump_epoch", lambda: self.scope.bump(epoch))

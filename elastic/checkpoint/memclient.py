@@ -6,6 +6,7 @@ A worker talks to its own node's agent over loopback; an agent talks to its budd
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -190,6 +191,23 @@ class MemStateClient:
             raise MemStateRejected(str(reply.get("error")))
         return reply.get("value")
 
+    def fault_wait(self, epoch: int, since_gen: int, timeout_s: float) -> dict[str, Any] | None:
+        """The newest fault the agent pushed for a generation >= ``since_gen``, or None when none
+        came within ``timeout_s`` (a worker's fault monitor asks again)."""
+        with self._connect() as sock:
+            sock.settimeout(timeout_s + 10.0)
+            try:
+                _send(sock, {"op": "fault_wait", "token": self.token, "epoch": epoch, "since_gen": since_gen,
+                             "timeout_s": timeout_s})
+                reply = _read_line(sock)
+            except (OSError, ValueError, ConnectionError) as exc:
+                raise MemStateUnavailable(f"waiting for a fault failed: {exc}") from exc
+        if reply.get("timeout"):
+            return None
+        if not reply.get("ok"):
+            raise MemStateRejected(str(reply.get("error")))
+        return dict(reply["value"])
+
     def drop(self, slot: int) -> bool:
         with self._connect() as sock:
             try:
@@ -197,3 +215,56 @@ class MemStateClient:
                 return bool(_read_line(sock).get("dropped"))
             except (OSError, ValueError, ConnectionError) as exc:
                 raise MemStateUnavailable(f"drop failed: {exc}") from exc
+
+
+class PeerHold:
+    """A watch on a peer agent's life: one silent connection to its memory store (op ``hold``).
+
+    The peer's death closes the connection (its kernel sends a FIN or a reset at once), and
+    ``on_lost`` runs on this watch's thread: an agent learns that its ring successor's node is gone
+    in a round trip rather than a lease TTL, which matters under NCCL, where the survivors'
+    collectives never raise.  A host that vanishes without a word (power, a dead link) is found by
+    TCP keepalives: idle 2 s, then 3 probes 1 s apart, so ~5 s.  ``on_lost`` does not run after
+    :meth:`close`."""
+
+    def __init__(self, addr: str, token: str, on_lost: Any, connect_timeout_s: float = 2.0) -> None:
+        host, _, port = addr.rpartition(":")
+        self.addr = (host, int(port))
+        self.on_lost = on_lost
+        self.lost = False  # the connection ended (the watcher then holds the ring's next node)
+        self._closed = threading.Event()
+        self._sock = socket.create_connection(self.addr, timeout=connect_timeout_s)
+        try:
+            _keepalive(self._sock)
+            _send(self._sock, {"op": "hold", "token": token})
+            if not _read_line(self._sock).get("ok"):
+                raise MemStateRejected(f"peer agent at {addr} refused the hold")
+        except BaseException:
+            self._sock.close()
+            raise
+        self._sock.settimeout(None)
+        threading.Thread(target=self._watch, name=f"peer-hold-{port}", daemon=True).start()
+
+    def _watch(self) -> None:
+        reason = "its agent closed the connection"
+        try:
+            while self._sock.recv(64):
+                pass
+        except OSError as exc:
+            reason = f"its agent's connection broke ({type(exc).__name__})"
+        self.lost = True
+        if not self._closed.is_set():
+            self.on_lost(reason)
+
+    def close(self) -> None:
+        self._closed.set()
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+        self._sock.close()
+
+
+def _keepalive(sock: socket.socket) -> None:
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in (("TCP_KEEPIDLE", 2), ("TCP_KEEPINTVL", 1), ("TCP_KEEPCNT", 3)):
+        if hasattr(socket, name):  # Linux; elsewhere the system's (hours) stand
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)

@@ -28,6 +28,7 @@ step's bytes twice more; the hash is what a restore verifies.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -340,6 +341,7 @@ class RoundBoard:
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._values: dict[tuple[int, int, str], dict[str, Any]] = {}
+        self._faults: dict[int, dict[str, Any]] = {}  # epoch -> the fault of its newest faulted generation
         self.on_wait: Callable[[int, int, str], None] = lambda epoch, gen, name: None
 
     def post(self, epoch: int, gen: int, name: str, value: Any) -> None:
@@ -356,6 +358,29 @@ class RoundBoard:
             newest = max(g for e, g, _ in self._values if e == key[0])
             self._values = {k: v for k, v in self._values.items() if k[0] == key[0] and k[1] > newest - self.KEEP}
             self._cond.notify_all()
+
+    def post_fault(self, epoch: int, record: dict[str, Any]) -> bool:
+        """A fault in generation ``record["gen"]`` (pushed: a worker died, a node was lost, a rank
+        hung); False when a fault of that generation or a newer one is already posted."""
+        with self._cond:
+            known = self._faults.get(epoch)
+            if known is not None and int(known["gen"]) >= int(record["gen"]):
+                return False
+            self._faults = {epoch: dict(record)}  # an older epoch's workers are gone
+            self._cond.notify_all()
+            return True
+
+    def wait_fault(self, epoch: int, since_gen: int, timeout_s: float) -> dict[str, Any]:
+        """The newest fault of a generation >= ``since_gen`` (a worker's fault monitor waits here
+        for its own generation's), or a timeout answer (``{"ok": False, "timeout": True}``)."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while int(self._faults.get(epoch, {}).get("gen", -1)) < since_gen:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return {"ok": False, "timeout": True, "error": f"no fault of generation >= {since_gen}"}
+                self._cond.wait(remaining)
+            return {"ok": True, "value": self._faults[epoch]}
 
     def wait(self, epoch: int, gen: int, name: str, timeout_s: float) -> dict[str, Any]:
         """``{"ok": True, "value": ...}``, ``{"ok": False, "error": ...}``, or a timeout answer."""
@@ -395,6 +420,17 @@ class _Handler(socketserver.BaseRequestHandler):
             owner.events.emit("memstate.request_failed", error=f"{type(exc).__name__}: {exc}"[:500])
 
 
+def _hold(sock: socket.socket) -> None:
+    """A peer agent's liveness watch (:class:`~elastic.checkpoint.memclient.PeerHold`): the
+    connection stays open, silent, for as long as both agents live.  This agent's death closes it
+    (the kernel sends the FIN or RST at once): the watcher knows in a round trip, not a lease TTL."""
+    sock.settimeout(None)
+    _send(sock, {"ok": True})
+    with contextlib.suppress(OSError):
+        while sock.recv(64):
+            pass
+
+
 def _next_request(sock: socket.socket) -> bool:
     """Wait for another request on a kept connection: False when the peer closed it or left it idle
     for the I/O timeout (the client then opens a new one)."""
@@ -420,6 +456,7 @@ class MemStateServer:
         self.snapshots = SnapshotCache(max_bytes)
         # Set by the agent: a copy of every snapshot of this node's workers goes to the buddy node.
         self.replicate: Callable[[SnapMeta, bytearray], None] | None = None
+        self.buddy_link: Any = None  # in-process mode: the agent's link to its ring successor (replicas, liveness)
         self.board = RoundBoard()
         self.events = events or EventLog(None, "memstate")
         self.token = secrets.token_hex(16)
@@ -467,6 +504,11 @@ class MemStateServer:
         elif op == "round_wait":
             _send(sock, self.board.wait(int(header["epoch"]), int(header["gen"]), str(header["name"]),
                                         float(header["timeout_s"])))
+        elif op == "fault_wait":
+            _send(sock, self.board.wait_fault(int(header["epoch"]), int(header["since_gen"]),
+                                              float(header["timeout_s"])))
+        elif op == "hold":
+            _hold(sock)
         else:
             _send(sock, {"ok": False, "error": f"unknown op {op!r}"})
 

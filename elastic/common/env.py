@@ -41,6 +41,22 @@ AGENT_PID_ENV = "ELASTIC_AGENT_PID"
 """In in-process mode workers outlive torchrun; they watch their agent instead (no orphans)."""
 
 
+ABORT_SAFE_ENV = {
+    # The watchdog must neither kill the process (the default, 3, tears it down at the group
+    # timeout) nor abort communicators behind the fault monitor's back (torch's
+    # _abort_process_group asks for 0): the monitor aborts them, all together.
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "0",
+    # The watchdog's own monitor SIGABRTs the process when the watchdog is stuck in a CUDA or NCCL
+    # call past its heartbeat timeout, which an abort of a hung communicator can take.
+    "TORCH_NCCL_ENABLE_MONITORING": "0",
+    # NVLink SHARP communicators could not be aborted safely (nvidia-resiliency-ext's in-process
+    # restart requires NVLS off for the same abort path).
+    "NCCL_NVLS_ENABLE": "0",
+}
+"""What makes a communicator abort safe for in-process recovery: set for its workers unless the
+operator set them (elastic.worker.faultwatch; ../shared/reference/nccl-faults.md)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class WorkerEnv:
     """What the agent tells its workers; ``to_env()`` and ``from_env()`` are inverses."""

@@ -93,6 +93,12 @@ class RunKeys:
         return self._k("done")
 
     @property
+    def pushed_fault(self) -> str:
+        """The newest fault an agent pushed to every other (its epoch, generation, node, reason):
+        one key for the run, so that it rides on the agents' one signal watch."""
+        return self._k("pushed-fault")
+
+    @property
     def numerics(self) -> str:
         return self._k("numerics")
 

@@ -144,14 +144,16 @@ class RunState:
         """What a running agent acts on (:mod:`elastic.control.signals` keeps it current)."""
         return self.signals_of(*self.signal_records(node_id)[0])
 
-    def signal_keys(self, node_id: str) -> list[str]:
-        """The records behind :meth:`signals`: the epoch, this node's exclusion, the stop."""
-        return [self.keys.epoch, self.keys.excluded(node_id), self.keys.stop]
+    def signal_keys(self, node_id: str, pushed_fault: bool = False) -> list[str]:
+        """The records behind :meth:`signals`: the epoch, this node's exclusion, the stop (and, for
+        an agent with in-process workers, the newest pushed fault)."""
+        keys = [self.keys.epoch, self.keys.excluded(node_id), self.keys.stop]
+        return [*keys, self.keys.pushed_fault] if pushed_fault else keys
 
-    def signal_records(self, node_id: str) -> tuple[list[KeyValue | None], int]:
+    def signal_records(self, node_id: str, pushed_fault: bool = False) -> tuple[list[KeyValue | None], int]:
         """The :meth:`signal_keys` records and the revision they were read at, in one read-only
         transaction (a linearizable read, not a raft proposal; three reads were three requests)."""
-        result = self.store.txn(Txn(success=[Get(key) for key in self.signal_keys(node_id)]))
+        result = self.store.txn(Txn(success=[Get(key) for key in self.signal_keys(node_id, pushed_fault)]))
         return list(result.results), result.revision
 
     def signals_of(self, epoch: KeyValue | None, excluded: KeyValue | None, stop: KeyValue | None) -> RunSignals:
@@ -236,6 +238,10 @@ class RunState:
     def faults(self) -> list[dict[str, Any]]:
         """Every fault record, oldest epoch first."""
         return sorted(self._records(self.keys.faults).values(), key=lambda r: (r.get("epoch", 0), r.get("ts", 0)))
+
+    def push_fault(self, record: dict[str, Any]) -> None:
+        """Tell every agent of a fault in a generation (one put; they watch :attr:`RunKeys.pushed_fault`)."""
+        self._put(self.keys.pushed_fault, record)
 
     def notice_fault(self, epoch: int, step: int | None, by: str, kind: str, gen: int = 0) -> bool:
         """The first agent to notice a fault in ``epoch`` (generation ``gen`` of an in-process

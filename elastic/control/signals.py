@@ -17,11 +17,12 @@ opens a new stream, at most once per ``retry_s``, so an unreachable etcd is not 
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from elastic.control.runstate import RunSignals, RunState
+from elastic.control.runstate import RunSignals, RunState, decode
 from elastic.control.store import KeyValue, WatchEvent
 
 
@@ -34,17 +35,25 @@ class SignalWatch:
     """``current()``: this node's :class:`RunSignals`, from one watch stream (see the module docstring)."""
 
     def __init__(self, state: RunState, node_id: str, idle_s: float = 30.0, retry_s: float = 0.25,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 on_fault: Callable[[dict[str, Any]], None] | None = None) -> None:
         self.state = state
         self.node_id = node_id
         self.idle_s = idle_s
         self.retry_s = retry_s
         self.clock = clock
-        self.keys = state.signal_keys(node_id)
+        self.keys = state.signal_keys(node_id, pushed_fault=on_fault is not None)
         self._records: dict[str, KeyValue | None] = dict.fromkeys(self.keys)
         self._stream: _Stream | None = None
         self._next_start = 0.0
         self.restarts = 0  # streams opened after the first (a compaction or a broken stream)
+        # A pushed fault is acted on as its event arrives (a thread reads the stream), not at the
+        # supervisor's next look: survivors blocked in a collective wait for it.
+        self.on_fault = on_fault
+        self._fault_revision = 0
+        self._closed = False
+        self._pump: threading.Thread | None = None
+        self._lock = threading.Lock()
 
     def current(self) -> RunSignals:
         """The signals now.  Reads etcd only to (re)start the stream; raises StoreError when that
@@ -53,14 +62,33 @@ class SignalWatch:
             self._start()
         if self._stream is not None:
             self._drain()
-        epoch, excluded, stop = (self._records[k] for k in self.keys)
+        epoch, excluded, stop = (self._records[k] for k in self.keys[:3])
         return self.state.signals_of(epoch, excluded, stop)  # an exclusion's expiry is judged now
 
     def _start(self) -> None:
         self._next_start = self.clock() + self.retry_s
-        records, revision = self.state.signal_records(self.node_id)
-        self._records = dict(zip(self.keys, records))
+        records, revision = self.state.signal_records(self.node_id, pushed_fault=self.on_fault is not None)
+        for key, record in zip(self.keys, records):
+            self._set(key, record)
         self._stream = self.state.store.watch_keys(self.keys, revision + 1, idle_s=self.idle_s)  # type: ignore[attr-defined]
+        if self.on_fault is not None and self._pump is None:
+            self._pump = threading.Thread(target=self._pump_faults, name="signal-faults", daemon=True)
+            self._pump.start()
+
+    def _pump_faults(self) -> None:
+        """Read the stream as events come (the supervisor's :meth:`current` reads it too; either
+        applies a batch).  A failed stream is left to :meth:`current` to re-establish."""
+        while not self._closed:
+            stream = self._stream
+            try:
+                batch = stream.get(0.5) if stream is not None else None
+            except Exception:  # noqa: BLE001 - the failure stays queued for current() to handle
+                batch = None
+                time.sleep(0.1)
+            if stream is None:
+                time.sleep(0.05)
+            for event in batch or []:
+                self._apply(event)
 
     def _drain(self) -> None:
         assert self._stream is not None
@@ -77,10 +105,22 @@ class SignalWatch:
 
     def _apply(self, event: WatchEvent) -> None:
         if event.key in self._records:
-            self._records[event.key] = (KeyValue(event.key, event.value, event.mod_revision, 0, 0, 0)
-                                        if event.value is not None else None)
+            self._set(event.key, KeyValue(event.key, event.value, event.mod_revision, 0, 0, 0)
+                      if event.value is not None else None)
+
+    def _set(self, key: str, record: KeyValue | None) -> None:
+        self._records[key] = record
+        if key == self.state.keys.pushed_fault and record is not None and self.on_fault is not None:
+            with self._lock:
+                if record.mod_revision <= self._fault_revision:
+                    return  # the start's read and the stream (or two readers) saw the same put
+                self._fault_revision = record.mod_revision
+            fault = decode(record)
+            if fault:
+                self.on_fault(fault)
 
     def close(self) -> None:
+        self._closed = True
         stream, self._stream = self._stream, None
         if stream is not None:
             stream.close()

@@ -46,11 +46,15 @@ class GenerationClient:
         self.gen = int(env.join_gen) if env.join_gen else 0
         self.plan: Plan | None = None
         self.old_rank = -1  # this slot's rank in the generation before the newest plan's
+        self.attempted = -1  # the newest generation this worker asked the plan of
 
     def next_plan(self) -> Plan:
         """The next generation's plan, from this node's agent, and this slot's rank before it
         (``old_rank``; a spare learns it here: the agent knows its slot's)."""
         target = self.gen + (0 if self.joining and self.plan is None else 1)
+        if self.attempted >= target:  # that generation failed while forming (a peer of it died): the next
+            target = self.attempted + 1
+        self.attempted = target
         reply = self.from_agent(target, "plan")
         plan = Plan.from_record(reply["plan"])
         self.old_rank = int(reply["slots"].get(str(self.slot.local_rank), -1))

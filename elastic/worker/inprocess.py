@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 import time
 from datetime import timedelta
 from typing import Any
@@ -46,14 +47,18 @@ from elastic.common.exits import EXIT_RECOVERY_FAILED
 from elastic.common.peers import is_peer_lost
 from elastic.control.generations import Plan, Slot
 from elastic.control.store import StoreError
+from elastic.worker.faultwatch import FaultLatch, FaultMonitor, PeerAborted, install_hang_switch
 from elastic.worker.generation import GenerationClient, RecoveryUnavailable
 
 
 
 def is_peer_failure(exc: BaseException) -> bool:
-    """A collective error caused by another rank going away (gloo/NCCL texts), not a bug here."""
+    """A collective error caused by another rank going away (gloo/NCCL texts, or a pushed fault's
+    abort: :class:`~elastic.worker.faultwatch.PeerAborted`), not a bug here."""
     seen = 0
     while exc is not None and seen < 8:
+        if isinstance(exc, PeerAborted):
+            return True
         if isinstance(exc, (RuntimeError, OSError)) and is_peer_lost(str(exc)):
             return True
         exc, seen = exc.__cause__ or exc.__context__, seen + 1
@@ -100,6 +105,13 @@ class InProcess:
         self.rank = -1
         self.phases: dict[str, float] = {}  # the last re-formation's (PhaseClock)
         self.exact: tuple[bool, str] = (True, "")  # the last restore: bitwise the pre-fault state? (why not)
+        self.device: torch.device | None = None  # set by the session: groups are bound to it (NCCL: eager init)
+        self.latch = FaultLatch(self._abort_world)
+        self.latch.gen = self.round.gen
+        self.hang_switch = install_hang_switch(self.latch)
+        self.monitor = (FaultMonitor(MemStateClient(env.memstate_addr, env.memstate_token, 30.0), self.epoch,
+                                     self.latch, lambda kind, **f: self.events.emit(kind, **f),
+                                     lambda: self.latch.gen).start() if env.memstate_addr else None)
 
     @classmethod
     def from_env(cls, local_rank: int, events: EventLog) -> InProcess | None:
@@ -193,25 +205,39 @@ class InProcess:
         A plan with fewer nodes than ``min_nodes`` (launch.nodes) raises RecoveryUnavailable on every
         member alike: a fixed-size run never shrinks in-process, it restarts and waits for the node."""
         clock = PhaseClock()
-        if self.pusher is not None:
-            self.pusher.wait()
-            self.pusher.take_error()  # the failed world's last capture: moot now
-            self._pending_capture = False
-        if dist.is_initialized():
-            shut = sever_connections(self._keep_ports())
-            self.events.emit("recovery.severed", connections=shut, gen=self.gen)
-            dist.destroy_process_group()
+        self.leave()
         clock.lap("teardown_s")
         plan = self.round.next_plan()
         clock.lap("generation_s")
         if plan.nodes < min_nodes:
             raise RecoveryUnavailable(f"generation {plan.gen} has {plan.nodes} nodes; the run needs at least "
                                       f"{min_nodes} (launch.nodes): restarting from the disk checkpoint")
+        self.latch.forming(plan.gen)
         self._init_group(plan, backend, pg_timeout)
         clock.lap("process_group_s")
         self.round.adopt(plan)
         self.phases = clock.laps
         return plan
+
+    def leave(self) -> None:
+        """Leave the current generation (idempotent): the last snapshot push settled, every process
+        group aborted and connection cut (unless the fault monitor did it already), the device
+        drained.  A spare has no world to leave before its first plan."""
+        if self.pusher is not None:
+            self.pusher.wait()
+            self.pusher.take_error()  # the failed world's last capture: moot now
+            self._pending_capture = False
+        figures = None if self.joining and self.plan is None else self.latch.teardown()
+        if figures is not None:
+            self.events.emit("recovery.severed", gen=self.gen, by="training thread", **figures)
+        _drain_device(self.device, self.join_timeout_s)
+
+    def _abort_world(self) -> dict[str, Any]:
+        """The latch's teardown (once per generation, from either thread)."""
+        figures = abort_generation(self._keep_ports())
+        if figures.pop("abort_error", None):
+            self.events.emit("recovery.abort_failed", gen=self.latch.gen, error=figures.get("error", ""))
+        return figures
 
     def _keep_ports(self) -> set[int]:
         """The etcd and memory-store ports: the connections recovery itself needs."""
@@ -219,9 +245,15 @@ class InProcess:
         return {int(a.rpartition(":")[2]) for a in addrs if a.rpartition(":")[2].isdigit()}
 
     def _init_group(self, plan: Plan, backend: str, pg_timeout: timedelta) -> None:
+        """The new generation's default group.  Bound to this rank's GPU (``device_id``) as on the
+        first start: NCCL then initialises eagerly and the mesh's groups are split from it
+        (``ncclCommSplit``) instead of each bootstrapping a communicator of its own."""
         rank = self.rank = self.round.rank_in(plan)
         store = self._store(plan, rank)
-        dist.init_process_group(backend, store=store, rank=rank, world_size=plan.world, timeout=pg_timeout)
+        self.latch.check(plan.gen)  # torn down while the store formed: a peer of it failed
+        cuda = self.device is not None and self.device.type == "cuda"
+        dist.init_process_group(backend, store=store, rank=rank, world_size=plan.world, timeout=pg_timeout,
+                                device_id=self.device if cuda else None)
 
     def _store(self, plan: Plan, rank: int) -> dist.Store:
         """The generation's c10d store, served by its rank 0: it publishes the address in etcd (one put
@@ -328,6 +360,41 @@ class InProcess:
         missing = sorted(set(expected) - set(merged))
         _fail_together(bool(missing), f"no snapshot of step {step} for old ranks {missing}")
         return [merged[r] for r in expected]
+
+
+def abort_generation(keep_ports: set[int]) -> dict[str, Any]:
+    """Tear this process's world down: every process group aborted together, as NCCL needs (one
+    at a time can deadlock, pytorch#119797; ``destroy_process_group`` is the graceful path and
+    blocks on a dead peer), then every TCP stream but those to ``keep_ports`` shut (gloo's abort
+    leaves its pairs open; the c10d store is a plain socket under both backends)."""
+    t0 = time.monotonic()
+    figures: dict[str, Any] = {"groups_aborted": 0}
+    if dist.is_initialized():
+        figures["groups_aborted"] = len(dist.distributed_c10d._world.pg_names)
+        try:
+            dist.distributed_c10d._abort_process_group()
+        except Exception as exc:  # noqa: BLE001 - the sockets below are cut anyway
+            figures.update(abort_error=True, error=f"{type(exc).__name__}: {exc}"[:300])
+    figures["connections"] = sever_connections(keep_ports)
+    figures["teardown_s"] = round(time.monotonic() - t0, 4)
+    return figures
+
+
+def _drain_device(device: torch.device | None, timeout_s: float) -> None:
+    """After an abort, wait for the GPU's queued work (the aborted kernels exit) with a bound: the
+    recovery's first CUDA call would otherwise block behind a kernel still spinning.  A device that
+    does not drain in ``timeout_s`` fails the recovery (the process restarts)."""
+    if device is None or device.type != "cuda":
+        return
+    done = threading.Event()
+
+    def sync() -> None:
+        torch.cuda.synchronize(device)
+        done.set()
+
+    threading.Thread(target=sync, name="device-drain", daemon=True).start()
+    if not done.wait(timeout_s):
+        raise RecoveryUnavailable(f"{device} did not finish its queued work within {timeout_s:g}s of the abort")
 
 
 def sever_connections(keep_ports: set[int]) -> int:

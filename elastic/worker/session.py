@@ -25,6 +25,7 @@ process, and calls ``train(session)`` inside a :class:`WorkerSession`:
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 import threading
@@ -52,6 +53,7 @@ from elastic.worker.channel import EXIT_CHECKPOINT, EXIT_CONFIG, EXIT_NUMERICS, 
 from elastic.worker.checksum import param_checksum, publish_checksum
 from elastic.worker.determinism import set_deterministic
 from elastic.worker.faults import FaultHooks
+from elastic.worker.faultwatch import PeerAborted, hang_until_torn
 from elastic.worker.hangprobe import HangProbe
 from elastic.worker.heap import HeapFreeze
 from elastic.worker.inprocess import EXIT_RECOVERY_FAILED, InProcess, is_peer_failure, wait_for_agent
@@ -126,6 +128,41 @@ def pg_timeout(default_s: float = 600.0) -> timedelta:
     return timedelta(seconds=float(os.environ.get(PG_TIMEOUT_ENV) or default_s))
 
 
+REFORM_TRIES = 3
+"""Re-formations one fault may take: a peer lost while the world re-forms (a kill during recovery)
+costs another generation, not a restart from disk."""
+
+
+class LostPeer:
+    """What the training thread knew when a peer was lost: the error, when it unwound, the pushed
+    fault behind it (none when a collective raised first, as gloo's do)."""
+
+    def __init__(self, error: str, unwound_at: float, fault: dict[str, Any] | None) -> None:
+        self.error, self.unwound_at, self.fault = error, unwound_at, fault
+
+    def fields(self) -> dict[str, Any]:
+        """For ``trainer.recovered``: how the fault reached this rank and how long it took."""
+        if not self.fault:
+            return {"unwound_by": "collective error"}
+        pushed = float(self.fault.get("ts", 0.0) or 0.0)
+        return {"unwound_by": "pushed fault", "fault_kind": self.fault.get("kind"),
+                "fault_to_unwound_s": round(self.unwound_at - pushed, 4) if pushed else None}
+
+
+def _retryable(err: BaseException) -> bool:
+    """A failure of the re-formation that another generation can cure: a peer of the forming world
+    died (its collectives, or the new rank 0's c10d store, failed)."""
+    return is_peer_failure(err) or isinstance(err, dist.DistNetworkError)
+
+
+def _release_memory(device: torch.device) -> None:
+    """Before re-forming: the failed step's tensors are garbage by now (no frame holds them);
+    collect them, and hand cached GPU blocks back so the new world's buffers fit."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def init_process() -> tuple[torch.device, int, int]:
     """This worker's device, the default process group and torch's thread count; (device, rank, world).
 
@@ -192,6 +229,7 @@ class WorkerSession:
         self.inproc = inproc
         if inproc is not None:
             inproc.events = self.events
+            inproc.device = device
             inproc.register(rank)
             if inproc.pusher is not None:
                 inproc.pusher.events = self.events
@@ -213,7 +251,7 @@ class WorkerSession:
         inproc = InProcess.from_env(local_rank, EventLog(None, "inprocess"))
         if inproc is not None and inproc.joining:
             # A warm spare taking a dead worker's slot: no torchrun world to join, the next generation.
-            device = init_device()
+            device = inproc.device = init_device()
             plan = inproc.reform(_backend(device), pg_timeout())
             rank, world = inproc.rank, plan.world
         else:
@@ -351,16 +389,21 @@ class WorkerSession:
         heap = HeapFreeze(self.events)
         try:
             while step < run.last_step:
+                lost = None
                 try:
-                    run.step(step + 1)
-                    step += 1
-                    self._after_step(step, run)
+                    with self._fault_zone():
+                        run.step(step + 1)
+                        step += 1
+                        self._after_step(step, run)
                     heap.after_step(step)
                 except Exception as exc:  # only a lost peer is handled here; everything else re-raises
-                    if self.inproc is None or not is_peer_failure(exc):
-                        raise
+                    lost = self._peer_lost(exc)
+                # Out of the except clause: the failed step's traceback, frames and activations are
+                # released before the world re-forms (the exception kept them alive inside it).
+                if lost is not None:
                     heap.thaw()
-                    run, step = self._recover(build, step + 1, exc)
+                    run = None  # the old model and optimizer go before the new ones are built
+                    run, step = self._recover(build, step + 1, lost)
         finally:
             heap.thaw()  # a caller that goes on (a test, a notebook) gets its collector back whole
         return self.finish(run.model, run.last_step, **run.done_fields())
@@ -389,32 +432,77 @@ class WorkerSession:
             self.inproc.snapshot(step, run.state(), extra, self.world, deferred=self._sync_points)
         self.maybe_save(step, run.last_step, run.state(), extra=extra or None)
 
-    def _recover(self, build: Callable[[WorkerSession], Trainable], step: int, exc: BaseException
+    @contextmanager
+    def _fault_zone(self) -> Iterator[None]:
+        """A step: where a pushed fault may unwind this thread (elastic.worker.faultwatch)."""
+        if self.inproc is None:
+            yield
+            return
+        with self.inproc.latch.armed():
+            yield
+
+    def _peer_lost(self, exc: Exception) -> LostPeer:
+        """What a step's failure says when a peer was lost; re-raises any other failure.  Under the
+        test switch (NCCL's behaviour) a peer-loss error raised outside a patched wait blocks here
+        until the pushed fault tears the generation down, as the collective would have."""
+        if self.inproc is not None:
+            self.inproc.latch.disarm()
+        if self.inproc is None or not is_peer_failure(exc):
+            raise exc
+        if self.inproc.hang_switch and not isinstance(exc, PeerAborted):
+            try:
+                hang_until_torn(self.inproc.latch, exc)
+            except PeerAborted as aborted:
+                exc = aborted
+        return LostPeer(" ".join(str(exc).split())[:300], time.time(), self.inproc.latch.fault)
+
+    def _recover(self, build: Callable[[WorkerSession], Trainable], step: int, lost: LostPeer
                  ) -> tuple[Trainable, int]:
-        """A peer was lost during ``step``: re-form the world in-process and restore from memory."""
+        """A peer was lost during ``step``: re-form the world in-process and restore from memory.
+        A peer lost while re-forming (a second fault) re-forms again, for the next generation, up
+        to :data:`REFORM_TRIES` times; any other failure falls back to a restart from disk."""
         assert self.inproc is not None
         t0 = time.monotonic()
-        error = " ".join(str(exc).split())[:300]
-        self.events.emit("trainer.peer_lost", step=step, gen=self.inproc.gen, error=error)
-        self.agent.report_fault(step, self.inproc.gen, error)
-        try:
-            if self.ckpt is not None:
-                self.ckpt.close()  # the save in flight fails with the lost peer; committed ones stay
-                self.ckpt = None
-            plan = self.inproc.reform(_backend(self.device), pg_timeout(), self.cfg.launch.min_nodes)
-            self.rank, self.world, self.hooks.rank = self.inproc.rank, plan.world, self.inproc.rank
-            self.agent.rank, self.agent.world_size = self.rank, self.world
-            self._sync = torch.zeros(1, device=self.device)
-            self.ckpt = self._checkpoints() if self.checkpoints else None
-            t_build = time.monotonic()
-            run = build(self)
-            self.inproc.phases["build_s"] = round(time.monotonic() - t_build, 4)
-            return run, self._restore_snapshots(run, t0)
-        except Exception as err:  # any failure on this path: fall back to a full restart from disk
-            self.events.emit("trainer.recovery_failed", step=step, error=f"{type(err).__name__}: {err}"[:500])
-            raise RecoveryFailed(f"{type(err).__name__}: {err}") from err
+        self.events.emit("trainer.peer_lost", step=step, gen=self.inproc.gen, error=lost.error)
+        self.agent.report_fault(step, self.inproc.gen, lost.error)
+        # The old world goes first: a save in flight waits in its collectives, and closing the
+        # checkpointer while the world stands could wait on peers that wait on this rank.
+        self.inproc.leave()
+        if self.ckpt is not None:
+            self.ckpt.close()  # the save in flight fails with the world; committed ones stay
+            self.ckpt = None
+        _release_memory(self.device)
+        for attempt in range(1, REFORM_TRIES + 1):
+            try:
+                return self._reform_once(build, t0, lost)
+            except Exception as err:  # noqa: BLE001 - judged below: re-form again or fall back
+                if attempt < REFORM_TRIES and _retryable(err):
+                    self.events.emit("trainer.reform_retry", step=step, attempt=attempt, gen=self.inproc.latch.gen,
+                                     error=f"{type(err).__name__}: {err}"[:300])
+                    continue
+                self.events.emit("trainer.recovery_failed", step=step, error=f"{type(err).__name__}: {err}"[:500])
+                raise RecoveryFailed(f"{type(err).__name__}: {err}") from err
+        raise AssertionError("unreachable")
 
-    def _restore_snapshots(self, run: Trainable, t0: float, start_event: bool = False) -> int:
+    def _reform_once(self, build: Callable[[WorkerSession], Trainable], t0: float, lost: LostPeer
+                     ) -> tuple[Trainable, int]:
+        assert self.inproc is not None
+        self.inproc.leave()  # a retry: the half-formed generation goes before its checkpointer
+        if self.ckpt is not None:
+            self.ckpt.close()
+            self.ckpt = None
+        plan = self.inproc.reform(_backend(self.device), pg_timeout(), self.cfg.launch.min_nodes)
+        self.rank, self.world, self.hooks.rank = self.inproc.rank, plan.world, self.inproc.rank
+        self.agent.rank, self.agent.world_size = self.rank, self.world
+        self._sync = torch.zeros(1, device=self.device)
+        self.ckpt = self._checkpoints() if self.checkpoints else None
+        t_build = time.monotonic()
+        run = build(self)
+        self.inproc.phases["build_s"] = round(time.monotonic() - t_build, 4)
+        return run, self._restore_snapshots(run, t0, lost=lost)
+
+    def _restore_snapshots(self, run: Trainable, t0: float, start_event: bool = False,
+                           lost: LostPeer | None = None) -> int:
         assert self.inproc is not None
         t_restore = time.monotonic()
         step, extra, source = self.inproc.restore(run.state())
@@ -426,13 +514,16 @@ class WorkerSession:
         self.events.emit("trainer.recovered", path="inprocess", gen=self.inproc.gen, step=step, rank=self.rank,
                          world_size=self.world, loaded_from=source, recover_s=round(time.monotonic() - t0, 3),
                          phases=dict(self.inproc.phases), bitwise=bitwise,
-                         **({"trajectory_changed": why} if not bitwise else {}))
+                         **({"trajectory_changed": why} if not bitwise else {}),
+                         **(lost.fields() if lost is not None else {}))
         self.agent.report_recovered(step, self.inproc.gen, self.world, source)
         return step
 
     # -- end ----------------------------------------------------------------------------
     def finish(self, model: nn.Module, step: int, **fields: Any) -> str:
         """The final commit, the done report and the checksum of the final weights (collective)."""
+        if self.inproc is not None and self.inproc.monitor is not None:
+            self.inproc.monitor.stop()  # a peer finishing is no fault: the final collectives must run
         if self.ckpt is not None:
             self.ckpt.close()  # the final save must commit before the process group goes away
         self.scalars.close()

@@ -1,0 +1,242 @@
+"""Faults pushed to a worker, never waited for: the monitor thread, the abort, the unwind.
+
+Under gloo a dead peer makes the survivors' next collective raise at once ("Connection closed
+by peer"), and in-process recovery used to start from that error.  Under NCCL nothing raises: the
+collective's kernel spins on the GPU, the training thread blocks at its next CUDA sync
+(``float(loss)``), and only the watchdog's timeout ends it, by killing the process
+(``../shared/reference/nccl-faults.md``).  So a worker learns of a fault from its agent instead:
+
+* the agent that sees it (a reaped worker, a lost ring neighbour, a hang verdict) pushes it for
+  the generation it broke: to its own workers over the local channel, to every other agent with one
+  etcd put they watch (:mod:`elastic.agent.inprocess`);
+* every worker runs a :class:`FaultMonitor` thread blocked on its agent's memory store for a fault
+  of its generation (op ``fault_wait``).  On one it tears the generation down through the
+  :class:`FaultLatch` (every process group aborted together, ``_abort_process_group``, then every
+  TCP stream but etcd's and the agent's shut: gloo's abort leaves its pairs open and the c10d store
+  is a plain socket under both backends) and raises :class:`PeerAborted` asynchronously into the
+  training thread, wherever it is blocked (a collective, a device sync, a data-loader wait): it
+  unwinds at its next bytecode, and the recovery proceeds as after a raised collective error.
+
+The asynchronous exception lands only inside :meth:`FaultLatch.armed` (a step, not the recovery,
+not a save's teardown), and is cleared when the zone closes, so it never surfaces in code that
+does not expect it.
+
+``ELASTIC_TEST_PEER_FAILURE=hang`` (a test switch) makes a collective that fails because a peer
+went away block instead of raising, as NCCL's would, until its generation is torn down; then it
+raises :class:`PeerAborted`, as a collective on an aborted NCCL communicator does.  With it on, a
+CPU run recovers only through the pushed fault.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
+
+from elastic.common.peers import is_peer_lost
+
+PEER_FAILURE_ENV = "ELASTIC_TEST_PEER_FAILURE"
+"""Test switch: ``hang`` makes peer-loss errors inside collectives block (NCCL's behaviour)."""
+
+
+class PeerAborted(RuntimeError):
+    """The generation this worker trained in was torn down because a peer failed (pushed fault)."""
+
+    def __init__(self, reason: str = "the generation was aborted: a peer failed (pushed fault)") -> None:
+        super().__init__(reason)
+
+
+class FaultChannel(Protocol):
+    """Where a worker hears pushed faults (its agent's memory store client)."""
+
+    def fault_wait(self, epoch: int, since_gen: int, timeout_s: float) -> dict[str, Any] | None: ...
+
+
+class FaultLatch:
+    """The generation this worker's process groups belong to, and whether it was torn down.
+
+    Shared by the training thread (which forms generations and tears the old one down before a
+    re-formation) and the monitor thread (which tears it down on a pushed fault): each generation
+    is torn down once, by whichever comes first, under one lock.  A late monitor thus never cuts a
+    newer generation's connections, and a generation torn down while it was still forming is
+    noticed by :meth:`check` before its groups start."""
+
+    def __init__(self, teardown: Callable[[], dict[str, Any]]) -> None:
+        self._teardown = teardown
+        self._lock = threading.Lock()
+        self.gen = 0  # the generation whose groups are live or forming
+        self._torn: set[int] = set()
+        self.torn_event = threading.Event()  # set while self.gen is torn down
+        self.fault: dict[str, Any] | None = None  # the pushed fault that tore a generation down, if one did
+        self._armed = False
+        self._thread_id = threading.main_thread().ident
+        self.unwound_at: float | None = None  # when the monitor raised into the training thread
+
+    # -- the training thread ----------------------------------------------------------------
+    def forming(self, gen: int) -> None:
+        """The training thread now forms generation ``gen`` (after tearing the previous one down)."""
+        with self._lock:
+            self.gen = gen
+            self.torn_event.clear()
+
+    def check(self, gen: int | None = None) -> None:
+        """Raise PeerAborted when generation ``gen`` (the current one) was torn down meanwhile."""
+        if (self.gen if gen is None else gen) in self._torn:
+            raise PeerAborted(self.describe())
+
+    def teardown(self, gen: int | None = None, fault: dict[str, Any] | None = None) -> dict[str, Any] | None:
+        """Tear generation ``gen`` (default: the current one) down once; its figures, or None when it
+        was torn down already (or is not the current one: its groups are gone)."""
+        with self._lock:
+            gen = self.gen if gen is None else gen
+            if gen in self._torn or gen != self.gen:
+                return None
+            self._torn.add(gen)
+            self.fault = fault or self.fault
+            figures = self._teardown()
+            self.torn_event.set()
+            return figures
+
+    @contextlib.contextmanager
+    def armed(self) -> Iterator[None]:
+        """The zone where the monitor may raise PeerAborted into this (the training) thread."""
+        with self._lock:
+            self._thread_id = threading.get_ident()
+            self._armed = True
+        try:
+            yield
+        finally:
+            self.disarm()
+
+    def disarm(self) -> None:
+        """No asynchronous exception from here on, and none pending (idempotent)."""
+        with self._lock:
+            self._armed = False
+            _set_async_exc(self._thread_id, None)
+
+    # -- the monitor thread -----------------------------------------------------------------
+    def unwind(self) -> bool:
+        """Raise PeerAborted in the training thread if it is in its armed zone (True if raised)."""
+        with self._lock:
+            if not self._armed:
+                return False
+            self._armed = False  # once: the zone's exit clears what was not delivered
+            self.unwound_at = time.time()
+            return _set_async_exc(self._thread_id, PeerAborted)
+
+    def describe(self) -> str:
+        fault = self.fault or {}
+        if not fault:
+            return f"generation {self.gen} was torn down"
+        return (f"generation {fault.get('gen')} aborted: {fault.get('kind', 'fault')} of "
+                f"{fault.get('node', '?')} ({fault.get('reason', '')})")
+
+
+def _set_async_exc(thread_id: int | None, exc: type[BaseException] | None) -> bool:
+    """CPython's PyThreadState_SetAsyncExc: ``exc`` raised in the thread at its next bytecode
+    (None clears a pending one).  The only way to unwind a thread blocked where no Python code of
+    ours runs; it lands once the blocking C call returns (after the abort)."""
+    if thread_id is None:
+        return False
+    # The class by address (CPython's id) or NULL, which clears: a py_object argument cannot be NULL.
+    done = _SET_ASYNC_EXC(ctypes.c_ulong(thread_id), ctypes.c_void_p(id(exc)) if exc is not None else None)
+    return done == 1
+
+
+_SET_ASYNC_EXC = ctypes.pythonapi.PyThreadState_SetAsyncExc
+_SET_ASYNC_EXC.argtypes = [ctypes.c_ulong, ctypes.c_void_p]
+_SET_ASYNC_EXC.restype = ctypes.c_int
+
+
+class FaultMonitor:
+    """A worker's thread that waits for pushed faults of its generation and acts on them."""
+
+    POLL_S = 30.0
+    """One fault wait's length: the request is re-sent this often while nothing happens (loopback)."""
+
+    def __init__(self, channel: FaultChannel, epoch: int, latch: FaultLatch,
+                 emit: Callable[..., None], current_gen: Callable[[], int]) -> None:
+        self.channel = channel
+        self.epoch = epoch
+        self.latch = latch
+        self.emit = emit
+        self.current_gen = current_gen
+        self.handled = -1  # the newest generation whose fault this monitor acted on
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="fault-monitor", daemon=True)
+
+    def start(self) -> FaultMonitor:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            since = max(self.handled + 1, self.current_gen())
+            try:
+                fault = self.channel.fault_wait(self.epoch, since, self.POLL_S)
+            except Exception:  # noqa: BLE001 - the agent is restarting or gone: its death ends us too
+                self._stop.wait(1.0)
+                continue
+            if fault is not None and not self._stop.is_set():
+                self.act(fault)
+
+    def act(self, fault: dict[str, Any]) -> None:
+        """Tear the faulted generation down and unwind the training thread."""
+        gen = int(fault.get("gen", -1))
+        self.handled = max(self.handled, gen)
+        t0 = time.monotonic()
+        figures = self.latch.teardown(fault=fault) if self.latch.gen <= gen else None
+        unwound = self.latch.unwind() if figures is not None else False
+        pushed_at = float(fault.get("ts", 0.0) or 0.0)
+        self.emit("recovery.fault_pushed", gen=gen, node=fault.get("node"), fault_kind=fault.get("kind"),
+                  by=fault.get("by"), reason=str(fault.get("reason", ""))[:300], acted=figures is not None,
+                  unwound=unwound, abort_s=round(time.monotonic() - t0, 4),
+                  since_push_s=round(time.time() - pushed_at, 4) if pushed_at else None, **(figures or {}))
+
+
+# -- the test switch ----------------------------------------------------------------------
+def peer_failure_mode() -> str:
+    return os.environ.get(PEER_FAILURE_ENV, "").strip().lower()
+
+
+def hang_until_torn(latch: FaultLatch, exc: BaseException) -> None:
+    """What NCCL does where gloo raises: block until this generation is torn down, then raise
+    PeerAborted (a collective on an aborted communicator).  Polls so that an asynchronous
+    exception raised into this thread also lands here (it waits on Python code, not a C call)."""
+    gen = latch.gen
+    while not (latch.torn_event.is_set() and latch.gen == gen):
+        time.sleep(0.002)
+    raise PeerAborted(f"{latch.describe()} (the collective had failed: {' '.join(str(exc).split())[:200]})")
+
+
+def install_hang_switch(latch: FaultLatch) -> bool:
+    """With ``ELASTIC_TEST_PEER_FAILURE=hang``: a collective's ``Work.wait`` that fails because a peer
+    went away blocks until its generation is torn down (sync collectives wait through it too, and
+    FSDP2 waits on its all-gathers and reduce-scatters there).  Returns whether it was installed."""
+    if peer_failure_mode() != "hang":
+        return False
+    import torch.distributed as dist  # the worker has torch; this module's imports stay light
+
+    work = dist.distributed_c10d.Work
+    if getattr(work.wait, "_elastic_hang", False):
+        return True
+    original = work.wait
+
+    def wait(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return original(self, *args, **kwargs)
+        except RuntimeError as exc:
+            if isinstance(exc, PeerAborted) or not is_peer_lost(str(exc)):
+                raise
+            hang_until_torn(latch, exc)
+
+    wait._elastic_hang = True  # type: ignore[attr-defined]
+    work.wait = wait
+    return True

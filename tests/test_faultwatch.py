@@ -1,0 +1,264 @@
+"""Pushed faults: the agent's board and hold, the signal watch's delivery, the worker's latch and
+monitor, and the monitor unwinding a training thread blocked in a real gloo collective whose peer
+is frozen (no error anywhere: what NCCL does with a dead peer)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+
+from elastic.checkpoint.memclient import MemStateClient, PeerHold
+from elastic.checkpoint.memstate import MemStateServer, RoundBoard
+from elastic.control.keys import RunKeys
+from elastic.control.memstore import MemoryStore
+from elastic.control.runstate import RunState
+from elastic.control.signals import SignalWatch
+from elastic.control.store import EtcdStore
+from elastic.worker.faultwatch import FaultLatch, FaultMonitor, PeerAborted, hang_until_torn
+
+KEYS = RunKeys.of("/elastic", "push")
+
+
+def test_the_board_keeps_the_newest_faulted_generation_and_answers_waits_from_a_generation_on():
+    board = RoundBoard()
+    assert board.wait_fault(0, 0, 0.01)["timeout"]
+    assert board.post_fault(0, {"gen": 2, "node": "a"})
+    assert not board.post_fault(0, {"gen": 2, "node": "b"})  # the same generation: already told
+    assert not board.post_fault(0, {"gen": 1, "node": "c"})  # an older one says nothing new
+    assert board.wait_fault(0, 2, 0.01)["value"]["node"] == "a"
+    assert board.wait_fault(0, 3, 0.01)["timeout"]  # a worker past generation 2 waits on
+    threading.Timer(0.05, lambda: board.post_fault(0, {"gen": 3, "node": "d"})).start()
+    assert board.wait_fault(0, 3, 5.0)["value"]["node"] == "d"
+
+
+def test_a_worker_waits_for_a_fault_over_the_agents_memory_store():
+    server = MemStateServer(1 << 20)
+    try:
+        client = MemStateClient(server.addr, server.token, 5.0)
+        assert client.fault_wait(0, 0, 0.05) is None
+        server.board.post_fault(0, {"gen": 0, "node": "n1", "ts": 1.0})
+        assert client.fault_wait(0, 0, 5.0)["node"] == "n1"
+    finally:
+        server.close()
+
+
+def test_a_hold_on_a_peer_agent_ends_when_that_agent_dies():
+    """The ring's node-loss detector: a killed agent's kernel closes the held connection at once."""
+    code = textwrap.dedent("""
+        import sys, time
+        from elastic.checkpoint.memstate import MemStateServer
+        server = MemStateServer(1 << 20)
+        print(server.addr, server.token, flush=True)
+        time.sleep(60)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        addr, token = proc.stdout.readline().split()
+        lost = threading.Event()
+        reasons: list[str] = []
+        hold = PeerHold(addr, token, lambda why: (reasons.append(why), lost.set()))
+        assert not lost.wait(0.3)  # a live peer: the connection stays silent
+        proc.kill()
+        assert lost.wait(5.0) and hold.lost and reasons
+    finally:
+        proc.kill()
+        proc.wait()
+    server = MemStateServer(1 << 20)  # closing a hold never reports a loss
+    try:
+        quiet = threading.Event()
+        hold = PeerHold(server.addr, server.token, lambda why: quiet.set())
+        hold.close()
+        assert not quiet.wait(0.3)
+    finally:
+        server.close()
+
+
+def test_the_signal_watch_delivers_a_pushed_fault_as_it_comes(etcd_endpoint):
+    """One put by the agent that saw the fault; every other agent hears it on its signal stream's
+    own thread, not at its supervisor's next look."""
+    state = RunState(EtcdStore(etcd_endpoint), KEYS)
+    heard: list[dict] = []
+    got = threading.Event()
+    with SignalWatch(state, "n2", on_fault=lambda record: (heard.append(record), got.set())) as watch:
+        watch.current()
+        state.push_fault({"epoch": 0, "gen": 4, "node": "n1", "kind": "worker_died", "ts": time.time()})
+        assert got.wait(5.0)  # nobody called current(): the stream's reader delivered it
+        assert heard == [{"epoch": 0, "gen": 4, "node": "n1", "kind": "worker_died", "ts": heard[0]["ts"]}]
+        watch.current()
+        assert len(heard) == 1  # the same put is delivered once
+
+
+def test_a_fault_pushed_before_the_watch_starts_is_delivered_by_its_first_read():
+    state = RunState(MemoryStore(), KEYS)
+    state.push_fault({"epoch": 1, "gen": 0, "node": "n3"})
+    heard: list[dict] = []
+    with SignalWatch(state, "n1", on_fault=heard.append) as watch:
+        watch.current()
+        watch.current()
+    assert [r["node"] for r in heard] == ["n3"]
+
+
+def test_the_latch_tears_each_generation_down_once_and_only_the_current_one():
+    torn: list[int] = []
+    latch = FaultLatch(lambda: (torn.append(latch.gen), {"connections": 1})[1])
+    assert latch.teardown(fault={"gen": 0}) == {"connections": 1}
+    assert latch.teardown() is None  # the training thread's own teardown after the monitor's
+    with pytest.raises(PeerAborted):
+        latch.check(0)
+    latch.forming(1)
+    latch.check()  # generation 1 stands
+    assert latch.teardown(gen=0) is None  # a late fault of an old generation cuts nothing of the new one
+    assert torn == [0]
+
+
+def test_the_unwind_lands_only_inside_the_armed_zone():
+    latch = FaultLatch(dict)
+    outcome: list[str] = []
+    inside, release = threading.Event(), threading.Event()
+
+    def training() -> None:
+        try:
+            with latch.armed():
+                inside.set()
+                while True:
+                    time.sleep(0.001)
+        except PeerAborted:
+            outcome.append("unwound")
+        release.wait(5.0)
+        time.sleep(0.05)
+        outcome.append("after the zone: untouched")
+
+    thread = threading.Thread(target=training)
+    thread.start()
+    assert inside.wait(5.0)
+    latch.teardown()
+    assert latch.unwind()
+    assert not latch.unwind()  # once per zone
+    release.set()
+    thread.join(5.0)
+    assert outcome == ["unwound", "after the zone: untouched"]
+
+
+def test_the_monitor_acts_on_a_fault_of_its_generation_only():
+    class Channel:
+        def __init__(self) -> None:
+            self.board = RoundBoard()
+
+        def fault_wait(self, epoch, since_gen, timeout_s):
+            answer = self.board.wait_fault(epoch, since_gen, timeout_s)
+            return answer["value"] if answer["ok"] else None
+
+    channel, events = Channel(), []
+    latch = FaultLatch(lambda: {"connections": 0})
+    latch.forming(3)
+    monitor = FaultMonitor(channel, 0, latch, lambda kind, **f: events.append((kind, f)), lambda: latch.gen)
+    monitor.POLL_S = 0.05
+    monitor.start()
+    try:
+        channel.board.post_fault(0, {"gen": 2, "node": "old", "ts": time.time()})  # before this generation
+        time.sleep(0.2)
+        assert events == [] and not latch.torn_event.is_set()
+        channel.board.post_fault(0, {"gen": 3, "node": "n2", "kind": "worker_died", "ts": time.time()})
+        deadline = time.monotonic() + 5.0
+        while not events and time.monotonic() < deadline:
+            time.sleep(0.01)
+        name, fields = events[0]
+        assert name == "recovery.fault_pushed" and fields["acted"] and fields["node"] == "n2"
+        assert latch.torn_event.is_set() and "n2" in latch.describe()
+    finally:
+        monitor.stop()
+
+
+def test_a_hang_ends_only_when_its_generation_is_torn_down():
+    latch = FaultLatch(dict)
+    latch.forming(5)
+    raised: list[BaseException] = []
+
+    def collective() -> None:
+        try:
+            hang_until_torn(latch, RuntimeError("Connection closed by peer"))
+        except PeerAborted as exc:
+            raised.append(exc)
+
+    thread = threading.Thread(target=collective)
+    thread.start()
+    thread.join(0.3)
+    assert thread.is_alive()  # blocked, as NCCL's collective would be
+    latch.teardown(fault={"gen": 5, "node": "n9", "kind": "node_lost", "reason": "gone"})
+    thread.join(5.0)
+    assert raised and "n9" in str(raised[0]) and "Connection closed by peer" in str(raised[0])
+
+
+_GLOO_PEERS = textwrap.dedent("""
+    import json, os, signal, sys, threading, time
+    import torch, torch.distributed as dist
+    from elastic.checkpoint.memstate import MemStateServer
+    from elastic.checkpoint.memclient import MemStateClient
+    from elastic.worker.faultwatch import FaultLatch, FaultMonitor, install_hang_switch
+    from elastic.worker.inprocess import abort_generation, is_peer_failure
+
+    rank, port, mode = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    store = dist.TCPStore("127.0.0.1", int(port), 2, rank == 0, wait_for_workers=True)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    if rank == 1:
+        if mode == "frozen":
+            os.kill(os.getpid(), signal.SIGSTOP)   # frozen: no error reaches rank 0, ever
+        os._exit(0)                                # dead: rank 0's collective fails at once
+    agent = MemStateServer(1 << 20)                # the agent's board, in this process for the test
+    latch = FaultLatch(lambda: abort_generation({agent.port}))
+    install_hang_switch(latch)
+    events = []
+    monitor = FaultMonitor(MemStateClient(agent.addr, agent.token, 10.0), 0, latch,
+                           lambda kind, **f: events.append(f), lambda: latch.gen).start()
+    def push():
+        time.sleep(1.0)
+        agent.board.post_fault(0, {"gen": 0, "node": "n1", "kind": "worker_died", "reason": "test",
+                                   "ts": time.time()})
+    threading.Thread(target=push, daemon=True).start()
+    t0 = time.time()
+    try:
+        with latch.armed():
+            while True:
+                dist.all_reduce(t)
+    except Exception as exc:
+        print(json.dumps({"unwound_after_s": time.time() - t0, "type": type(exc).__name__,
+                          "peer_failure": is_peer_failure(exc), "initialized": dist.is_initialized(),
+                          "acted": [e["acted"] for e in events]}), flush=True)
+""")
+
+
+@pytest.mark.parametrize("mode, env", [("frozen", {}), ("dead", {"ELASTIC_TEST_PEER_FAILURE": "hang"})])
+def test_the_monitor_unwinds_a_training_thread_blocked_in_a_gloo_collective(mode, env, subprocess_env):
+    """Frozen peer: gloo never raises (a real hang).  Dead peer with the test switch: the raised
+    error blocks, as NCCL's collective would.  Either way only the pushed fault (1 s in) ends the
+    wait: the monitor aborts the world and the training thread unwinds with a peer failure."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = str(sock.getsockname()[1])
+    procs = [subprocess.Popen([sys.executable, "-c", _GLOO_PEERS, str(rank), port, mode], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env={**subprocess_env, **env}) for rank in (0, 1)]
+    try:
+        out, err = procs[0].communicate(timeout=60)
+        report = json.loads(out.strip().splitlines()[-1]) if out.strip() else {}
+        assert report, err[-2000:]
+        assert report["peer_failure"] and report["acted"] == [True] and not report["initialized"]
+        assert report["unwound_after_s"] >= 0.9  # nothing ended the wait before the push
+        if env:
+            assert report["type"] == "PeerAborted"
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
