@@ -63,7 +63,7 @@ class KillDuringRecovery(KillWorker):
     Under ``chaos run`` it waits for the moment in the events: a replacement worker (a spare that
     took a dead worker's slot, or a restarted worker) has started but not trained a step yet.  In
     ``chaos suite`` / ``chaos soak`` plans it follows another kill (``after`` and ``delay_s``): the
-    soak fires it half a second after a ``kill_worker``, on any node.
+    soak fires it 0.1 s after a ``kill_worker`` (``chaos.soak.RECOVERY_KILL_DELAY_S``), on any node.
     """
 
     def ready(self, ctx: InjectionContext) -> bool:

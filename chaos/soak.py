@@ -51,8 +51,10 @@ NOT_SOAKED = {
     "partition": "needs root and network namespaces (chaos suite --netns runs it)",
 }
 """Registered faults the soak does not draw, and why (every other one is in CATALOGUE)."""
-RECOVERY_KILL_DELAY_S = 0.5
-"""A kill_during_recovery fires this long after the kill_worker it follows (on any node)."""
+RECOVERY_KILL_DELAY_S = 0.1
+"""A kill_during_recovery fires this long after the kill_worker it follows (on any node).  0.5 s
+missed the recovery once rounds took one participant per node and faults were pushed (the
+spare had joined and trained by then); the agents' 0.25 s look for fault requests adds to it."""
 SPARE_KILL_GAP_S = 2.0
 """A spare kill is followed this long after by a kill of the same node's worker."""
 # The soak injects failures on purpose: the lemon-node policy would exclude their targets, a

@@ -80,10 +80,11 @@ class ReportInbox:
     def address(self) -> str:
         return "127.0.0.1:%d" % self._sock.getsockname()[1]
 
-    def wait(self, timeout: float) -> None:
-        """Sleep in select() on the socket: wakes early when a worker reports."""
+    def wait(self, timeout: float, fds: list[int] | None = None) -> None:
+        """Sleep in select() on the socket: wakes early when a worker reports, or when one of
+        ``fds`` is readable (a worker's pidfd: it exited)."""
         try:
-            select.select([self._sock], [], [], timeout)
+            select.select([self._sock, *(fds or [])], [], [], timeout)
         except (OSError, ValueError):
             time.sleep(timeout)
 

@@ -216,6 +216,7 @@ class InProcessWorkers:
         self._attempt: TorchrunAttempt | None = None
         self.on_replace = lambda: None  # the supervisor's heartbeat monitor: the slot is re-forming
         self._hung: dict[int, str] = {}  # pid -> the hang verdict it was killed for
+        self._pidfds: dict[int, int] = {}  # slot process pid -> its pidfd (exit_fds)
         self.peers = PeerWatch(spec.node_id, self._buddy, self._peer_gone, config.probe_timeout_s)
         self.drain_reports = lambda: None  # the supervisor: read the reports queued so far (observe())
 
@@ -322,11 +323,30 @@ class InProcessWorkers:
         if len(self.finished) >= self.spec.nproc_per_node:
             self._closed.set()
             self.peers.close()
+            self._close_fds()
             self.events.emit("agent.workers_done", gen=self.gen)
             return AttemptResult(Outcome.SUCCEEDED, 0)
         self.join_wanted()
         self.peers.check()
         return None
+
+    def exit_fds(self) -> list[int]:
+        """A pidfd per live slot process once torchrun retired (readable when it exits), for the
+        supervisor's wait; none where the kernel has no pidfd_open."""
+        if not self.detached or not hasattr(os, "pidfd_open"):
+            return []
+        live = {pid for local, pid in self.pids.items() if local not in self.finished}
+        for pid in set(self._pidfds) - live:
+            os.close(self._pidfds.pop(pid))
+        for pid in live - set(self._pidfds):
+            with contextlib.suppress(OSError):
+                self._pidfds[pid] = os.pidfd_open(pid)
+        return list(self._pidfds.values())
+
+    def _close_fds(self) -> None:
+        for fd in self._pidfds.values():
+            os.close(fd)
+        self._pidfds.clear()
 
     def _death(self, local: int, pid: int, rc: int, on_failure) -> AttemptResult | None:
         detail = f"worker local rank {local} (pid {pid}) " + _ended(rc)
@@ -339,11 +359,11 @@ class InProcessWorkers:
                                attempt_dir=self._attempt.dir if self._attempt else None)
         if stopping is not None or rc in _DELIBERATE:  # the worker chose to leave: the agent's usual path decides
             return result
+        # The survivors first, before any policy or etcd record: under NCCL nothing of theirs
+        # raises, they wait in the dead worker's collective until told (elastic.worker.faultwatch),
+        # whether the spare takes the slot or the run falls back to a restart.
+        self.push_fault(self.spec.node_id, "hang" if pid in self._hung else "worker_died", detail)
         reason = self._no_replacement(result, on_failure)
-        if reason is None:
-            # The survivors first: under NCCL nothing of theirs raises, they wait in the dead
-            # worker's collective until told (elastic.worker.faultwatch).
-            self.push_fault(self.spec.node_id, "hang" if pid in self._hung else "worker_died", detail)
         if reason is None and self._replace(local, detail):
             return None
         self.events.emit("agent.inprocess_fallback", local_rank=local, rc=rc, detail=detail,
@@ -553,6 +573,7 @@ class InProcessWorkers:
             self.spare = None
         self._closed.set()
         self.peers.close()
+        self._close_fds()
         terminate_tree(None, pids, grace_s)
         for pid in pids:
             reap_quietly(pid)

@@ -122,7 +122,9 @@ class Supervisor:
             result = self._silence(attempt, epoch) or self._screen_failed(attempt)
             if result is not None:
                 return result
-            self.inbox.wait(self.config.monitor_interval_s)
+            # Detached workers are this agent's children: it wakes when one exits (its pidfd), so a
+            # death is reaped and pushed at once, not at the next look (monitor_interval_s).
+            self.inbox.wait(self.config.monitor_interval_s, self.workers.exit_fds() if self.workers else None)
 
     def _drain(self, attempt: TorchrunAttempt, epoch: int) -> None:
         for report in self.inbox.drain():
