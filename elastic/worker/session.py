@@ -56,6 +56,7 @@ from elastic.worker.faults import FaultHooks
 from elastic.worker.faultwatch import PeerAborted, hang_until_torn
 from elastic.worker.hangprobe import HangProbe
 from elastic.worker.heap import HeapFreeze
+from elastic.control.generations import Plan
 from elastic.worker.inprocess import EXIT_RECOVERY_FAILED, InProcess, is_peer_failure, wait_for_agent
 from elastic.worker.scalars import ScalarLog
 from elastic.worker.screen import BackgroundScreen
@@ -155,6 +156,20 @@ def _retryable(err: BaseException) -> bool:
     return is_peer_failure(err) or isinstance(err, dist.DistNetworkError)
 
 
+def _join_as_spare(inproc: InProcess, device: torch.device) -> Plan:
+    """A spare's first generation; a peer lost while it forms (the new rank 0's store gone) makes
+    it join the next one, as the survivors do, instead of failing the slot."""
+    for attempt in range(1, REFORM_TRIES + 1):
+        try:
+            return inproc.reform(_backend(device), pg_timeout())
+        except Exception as err:  # noqa: BLE001 - judged: another generation, or the spare fails
+            if attempt == REFORM_TRIES or not _retryable(err):
+                raise
+            inproc.events.emit("trainer.reform_retry", step=None, attempt=attempt, gen=inproc.latch.gen,
+                               error=f"{type(err).__name__}: {err}"[:300])
+    raise AssertionError("unreachable")
+
+
 def _release_memory(device: torch.device) -> None:
     """Before re-forming: the failed step's tensors are garbage by now (no frame holds them);
     collect them, and hand cached GPU blocks back so the new world's buffers fit."""
@@ -252,7 +267,7 @@ class WorkerSession:
         if inproc is not None and inproc.joining:
             # A warm spare taking a dead worker's slot: no torchrun world to join, the next generation.
             device = inproc.device = init_device()
-            plan = inproc.reform(_backend(device), pg_timeout())
+            plan = _join_as_spare(inproc, device)
             rank, world = inproc.rank, plan.world
         else:
             device, rank, world = init_process()
