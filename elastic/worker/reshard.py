@@ -21,6 +21,13 @@ rank allocate the old world times the largest snapshot, and then the full tensor
 The bytes are copied, never recomputed, so the restored state is bitwise what gathering every
 snapshot and taking each rank's ``torch.chunk`` gave.  Every rank builds the same model, so its own
 targets tell which tensors are sharded for every rank.
+
+Measured (DiT-B, 130 M parameters, AdamW; 4 -> 3 gloo ranks on 2 shared cores; snapshots of 371 MB
+per old rank, 494 MB of new local state per rank): the full gather raised a new rank's peak RSS by
+5.8-6.6 GB during the build and restore and took 28 s; with a meta-device build and this exchange
+by 0.8 GB (1.4 GB on the rank that also read the lost rank's snapshot) in 3.3 s.  What remains is
+mostly the new local state itself and DCP's creation of a fresh optimizer's state (a step with
+zero gradients).
 """
 
 from __future__ import annotations
@@ -37,9 +44,10 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from elastic.checkpoint.snapshot import SHARD, Snapshot, SnapshotError
+from elastic.common.collectives import check_device
 from elastic.worker.generation import RecoveryUnavailable
 
-Path = tuple[Any, ...]
+KeyPath = tuple[Any, ...]
 """Keys and list indices from a snapshot's root to one value."""
 
 ROUND_BYTES = 256 << 20
@@ -49,9 +57,10 @@ as device copies of what it sends), however large the model."""
 
 @dataclass(frozen=True)
 class Leaf:
-    """One sharded tensor: where it sits, its global shape and dtype (old rank 0's)."""
+    """One sharded tensor (``Shard(0)``: at least one dim): where it sits, its global shape and dtype
+    (old rank 0's)."""
 
-    path: Path
+    path: KeyPath
     shape: tuple[int, ...]
     dtype: str
 
@@ -93,7 +102,7 @@ def _is_shard(value: Any) -> bool:
     return type(value) is dict and SHARD in value
 
 
-def shard_entries(tree: Any, path: Path = ()) -> Iterator[tuple[Path, dict[str, Any]]]:
+def shard_entries(tree: Any, path: KeyPath = ()) -> Iterator[tuple[KeyPath, dict[str, Any]]]:
     """Each sharded entry of ``tree`` with its path, in the tree's order (dicts keep insertion
     order, also through pickling: every rank walks every copy in the same order)."""
     if _is_shard(tree):
@@ -120,7 +129,7 @@ def rest_of(tree: Any) -> Any:
     return tree
 
 
-def _digest(rows: list[tuple[Path, tuple[int, ...], tuple[int, ...], str]]) -> str:
+def _digest(rows: list[tuple[KeyPath, tuple[int, ...], tuple[int, ...], str]]) -> str:
     return hashlib.sha256(repr(rows).encode()).hexdigest()
 
 
@@ -223,7 +232,7 @@ def _fill(tree: Any, values: Iterator[Any]) -> Any:
     return tree
 
 
-def _show(path: Path) -> str:
+def _show(path: KeyPath) -> str:
     return "/".join(str(key) for key in path)
 
 
@@ -351,15 +360,16 @@ def _one_round(batch: list[Piece], rank: int, sources: dict[int, list[torch.Tens
 def _op(piece: Piece, source: torch.Tensor | None, target: torch.Tensor | None, tag: int, device: torch.device,
         landings: list[tuple[torch.Tensor, torch.Tensor]]) -> dist.P2POp:
     """A send of ``source`` or a receive into ``target`` (straight into it where the group's device
-    serves it and it is contiguous; else through a buffer copied in after the round)."""
+    serves it and it is contiguous; else through a buffer copied in after the round).  ``device``:
+    the group's (snapshots are host memory; NCCL moves device tensors only)."""
     if source is not None:
-        return dist.P2POp(dist.isend, source.to(device).contiguous(), piece.dst, tag=tag)
+        return dist.P2POp(dist.isend, check_device(source.to(device).contiguous()), piece.dst, tag=tag)
     assert target is not None
     if target.device == device and target.is_contiguous():
-        return dist.P2POp(dist.irecv, target, piece.src, tag=tag)
+        return dist.P2POp(dist.irecv, check_device(target), piece.src, tag=tag)
     buffer = torch.empty(target.shape, dtype=target.dtype, device=device)
     landings.append((target, buffer))
-    return dist.P2POp(dist.irecv, buffer, piece.src, tag=tag)
+    return dist.P2POp(dist.irecv, check_device(buffer), piece.src, tag=tag)
 
 
 def shard_sources(held: dict[int, Snapshot]) -> dict[int, list[torch.Tensor]]:
