@@ -181,8 +181,7 @@ class DiT(nn.Module):
         self.x_embedder = nn.Linear(self.patch_values, dim)  # == Conv2d(kernel=stride=p) on patches
         self.t_embedder = TimestepEmbedder(dim)
         self.y_embedder = LabelEmbedder(cfg.num_classes, dim) if cfg.num_classes > 0 else None
-        grid = cfg.input_size // cfg.patch_size
-        self.register_buffer("pos_embed", sincos_pos_embed_2d(dim, grid), persistent=False)
+        self.register_buffer("pos_embed", self._pos_table(), persistent=False)
         self.blocks = nn.ModuleList(DiTBlock(dim, cfg.num_heads, cfg.mlp_dim) for _ in range(cfg.depth))
         self.final_layer = FinalLayer(dim, self.patch_values)
         # Context parallelism: this rank owns tokens [cp_rank * Nl, (cp_rank + 1) * Nl).
@@ -190,6 +189,20 @@ class DiT(nn.Module):
         self.cp_rank = 0
         self.cp_size = 1
         self.reset_parameters()
+
+    def _pos_table(self) -> torch.Tensor:
+        assert self.cfg.hidden_dim is not None
+        return sincos_pos_embed_2d(self.cfg.hidden_dim, self.cfg.input_size // self.cfg.patch_size)
+
+    def reset_buffers(self) -> None:
+        """Compute the buffers that are not in the state dict (``pos_embed``) into their storage.
+
+        A model built on the meta device and materialised with ``to_empty`` (only its local
+        shards: :func:`trainer.dit_train.materialize`) has garbage there, and a restore fills only
+        what the state dict holds.  Computed on the CPU as at construction, then copied: the
+        same bits as a model built directly."""
+        with torch.device("cpu"), torch.no_grad():
+            self.pos_embed.copy_(self._pos_table())
 
     def reset_parameters(self) -> None:
         """DiT initialisation: xavier linears, N(0, 0.02) embeddings, adaLN-Zero (gates and output = 0)."""

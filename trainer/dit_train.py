@@ -136,12 +136,38 @@ def micro_batch_loss(model: DiT, cfg: DiTTrainerConfig, dataset: Any, step: int,
     return flow_loss(model(x_t, t.to(device), y), target)
 
 
-def build_model(cfg: DiTTrainerConfig, device: torch.device) -> tuple[DiT, list[str]]:
-    model = build_dit(cfg.model, cfg.seed).to(device)
+def build_model(cfg: DiTTrainerConfig, device: torch.device, on_meta: bool = False) -> tuple[DiT, list[str]]:
+    """The DiT (fp8-converted where configured) on ``device``, its weights from the seed.
+
+    ``on_meta``: shapes only, no storage and no initial values (a 10B-parameter model is 40 GB in
+    fp32 before sharding): for a world re-formed in-process, whose state a restore fills right
+    after the model is sharded and materialised (:func:`materialize`)."""
+    if on_meta:
+        with torch.device("meta"):
+            model = build_dit(cfg.model, cfg.seed)
+    else:
+        model = build_dit(cfg.model, cfg.seed).to(device)
     converted: list[str] = []
     if cfg.fp8.enabled:
-        converted = convert_to_fp8(model, cfg.fp8.include, cfg.fp8.exclude, cfg.fp8.recipe, cfg.fp8.backend)
+        converted = convert_to_fp8(model, cfg.fp8.include, cfg.fp8.exclude, cfg.fp8.recipe, cfg.fp8.backend,
+                                   device=device)
     return model, converted
+
+
+def materialize(model: DiT, device: torch.device) -> None:
+    """Give a meta-built model storage on ``device``, after sharding: each rank allocates its own
+    shards only.  The parameters hold garbage until the restore writes every one of them (and the
+    optimizer state); the buffers outside the state dict are computed here."""
+    model.to_empty(device=device)
+    model.reset_buffers()
+
+
+def restores_from_memory(session: WorkerSession) -> bool:
+    """This build is for a world re-formed in-process: the session restores every parameter and
+    optimizer state from the memory snapshots right after it (``WorkerSession._recover``, and a
+    warm spare's start), so the model need not be initialised, nor built full-size."""
+    inproc = session.inproc
+    return inproc is not None and inproc.plan is not None
 
 
 class DiTRun:
@@ -155,8 +181,13 @@ class DiTRun:
         if session.world > 1 and not cfg.parallel.fsdp:
             raise ConfigError("parallel.fsdp", "must be true with more than one rank (gradients are averaged by FSDP)")
         torch.manual_seed(cfg.seed)
-        self.model, self.converted = build_model(cfg, device)
+        # A first start initialises from the seed as ever (a run's weights do not depend on how it
+        # is launched); a re-formed world builds on the meta device and restores into its shards.
+        on_meta = restores_from_memory(session)
+        self.model, self.converted = build_model(cfg, device, on_meta)
         mesh = parallelize(self.model, cfg.parallel, self.dp, self.cp, device.type)
+        if on_meta:
+            materialize(self.model, device)
         self.dp_rank = mesh["dp"].get_local_rank() if mesh is not None else 0
         self.optim = torch.optim.AdamW(self.model.parameters(), lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2),
                                        eps=cfg.optim.eps, weight_decay=cfg.optim.weight_decay)

@@ -233,13 +233,16 @@ def _matches(name: str, include: list[str], exclude: list[str]) -> bool:
 
 
 def convert_to_fp8(model: nn.Module, include: list[str], exclude: list[str], recipe: Recipe = "tensorwise",
-                   backend: Literal["auto", "emulate", "scaled_mm"] = "auto") -> list[str]:
+                   backend: Literal["auto", "emulate", "scaled_mm"] = "auto",
+                   device: torch.device | None = None) -> list[str]:
     """Swap matching nn.Linear modules (both dims divisible by 16) for Float8Linear in place.
 
     Returns the converted module names.  ``scaled_mm`` raises if the hardware
     cannot run it; ``auto`` picks it on CUDA with compute capability >= 8.9.
+    ``device``: where the model will run, when its parameters are not there yet (a model
+    built on the meta device; by default, the device of its parameters).
     """
-    device = next(model.parameters()).device
+    device = device if device is not None else next(model.parameters()).device
     hw = fp8_supported_on(device)
     if backend == "scaled_mm" and device.type == "cuda" and not hw:
         raise ValueError(f"fp8 backend 'scaled_mm' needs CUDA compute capability >= 8.9 (device {device})")

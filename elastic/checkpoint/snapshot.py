@@ -15,7 +15,9 @@ Restoring into a freshly built model (:func:`restore`):
 * same world, same ranks: each rank copies its own local shards back (bitwise);
 * a different world (a node lost or added): the old ranks' shards of each tensor are joined along
   dim 0 into the full tensor (FSDP2 shards every parameter and optimizer state ``Shard(0)`` with
-  ``torch.chunk`` semantics), and each new rank takes its ``torch.chunk`` of it.
+  ``torch.chunk`` semantics), and each new rank takes its ``torch.chunk`` of it.  In-process
+  recovery does not join them: each new rank receives just its chunk's rows, point to point
+  (:mod:`elastic.worker.reshard`), and loads them with :func:`load_tree`; bitwise the same state.
 
 Values that are not sharded (step counters, the sampler position, RNG state, guard history) are
 the same on every rank and come from the first old rank.
@@ -421,7 +423,16 @@ def restore(state: dict[str, Any], snapshots: list[Snapshot], rank: int, world: 
     rank's snapshot of the same step in old-rank order (the full tensors are rebuilt from them).
     """
     tree = snapshots[0].tree if len(snapshots) == 1 else _full([s.tree for s in snapshots])
-    targets = as_state_dicts(state)
+    load_tree(state, tree, rank, world)
+
+
+def load_tree(state: dict[str, Any], tree: dict[str, Any], rank: int, world: int,
+              targets: dict[str, Any] | None = None) -> None:
+    """Load a snapshot's ``tree`` into ``state``: each sharded entry is either this rank's shard as
+    it is, or a tensor this rank takes its ``torch.chunk`` of (see :func:`_local_value`).
+    ``targets``: ``as_state_dicts(state)`` when the caller already has it (a fresh optimizer's state
+    is created by that call; the caller may have filled it in place already)."""
+    targets = as_state_dicts(state) if targets is None else targets
     for key in sorted(state):
         value = _write(targets[key], tree[key], rank, world, key)
         if isinstance(state[key], Stateful):

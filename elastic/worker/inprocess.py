@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from elastic.checkpoint.memclient import MemStateClient
+from elastic.checkpoint.memory import as_state_dicts
 from elastic.checkpoint.memstate import MemStateError
 from elastic.checkpoint.snapshot import (
     Snapshot,
@@ -38,6 +39,7 @@ from elastic.checkpoint.snapshot import (
     capture,
     extra_of,
     from_bytes,
+    load_tree,
     restore,
 )
 from elastic.common.collectives import check_device, group_device
@@ -49,6 +51,7 @@ from elastic.control.generations import Plan, Slot
 from elastic.control.store import StoreError
 from elastic.worker.faultwatch import FaultLatch, FaultMonitor, PeerAborted, install_hang_switch
 from elastic.worker.generation import GenerationClient, RecoveryUnavailable
+from elastic.worker.reshard import Layout, describe, plan, providers, shard_sources, transfer
 
 
 
@@ -274,7 +277,8 @@ class InProcess:
         """
         assert self.plan is not None
         old_world = list(range(self.plan.old_world))
-        step = _agree(_holdings(_all_gather(self._offers())), old_world)
+        offers = _all_gather(self._offers())
+        step = _agree(_holdings(offers), old_world)
         self.exact = self._exactness(old_world)
         if self.plan.keeps_ranks():
             snap, source = self._own(step)
@@ -282,7 +286,9 @@ class InProcess:
             assert snap is not None
             restore(state, [snap], self.rank, self.plan.world)
             return step, extra_of(snap), source
-        restore(state, self._exchange(step, old_world), self.rank, self.plan.world)
+        targets = as_state_dicts(state)  # a fresh optimizer's state is created here (DCP)
+        tree = self._exchange(step, old_world, providers(offers, step, old_world), targets)
+        load_tree(state, tree, self.rank, self.plan.world, targets)
         return step, {}, "memory, resharded"
 
     def _exactness(self, old_world: list[int]) -> tuple[bool, str]:
@@ -342,24 +348,44 @@ class InProcess:
             return None
         return from_bytes(*got) if got is not None else None
 
-    def _exchange(self, step: int, expected: list[int]) -> list[Snapshot]:
-        """Every old rank's snapshot of ``step``: each rank contributes what it holds, all get all."""
-        mine: dict[int, Snapshot] = {}
-        own, _ = self._own(step)
-        if own is not None:
-            mine[own.rank] = own
+    def _exchange(self, step: int, expected: list[int], chosen: dict[int, int], targets: dict[str, Any]
+                  ) -> dict[str, Any]:
+        """Collective: fill this rank's fresh tensors (``targets``, in place) with the rows of the old
+        ranks' snapshots of ``step`` its new shards cover, point to point; returns the tree to load
+        (:mod:`elastic.worker.reshard`).  Each rank reads only the snapshots ``chosen`` gives it."""
+        assert self.plan is not None
+        held = self._held(step, chosen)
+        layout = Layout.agree(_all_gather(describe(held, chosen.get(0) == self.rank)), expected)
+        dests, sharded = self._destinations(layout, targets)
+        pieces = plan(layout, sharded, chosen, expected, self.plan.world, self.rank)
+        transfer(pieces, layout.leaves, self.rank, shard_sources(held), dests, group_device())
+        return layout.tree(dests, sharded)
+
+    def _destinations(self, layout: Layout, targets: dict[str, Any]) -> tuple[list[torch.Tensor], list[bool]]:
+        """This rank's tensors the rows go to; if any rank's fresh state does not fit the snapshots,
+        every rank raises here (nobody waits for rows that a failed rank would never send)."""
+        assert self.plan is not None
+        try:
+            found, failed = layout.dests(targets, self.rank, self.plan.world), ""
+        except SnapshotError as exc:
+            found, failed = ([], []), f"rank {self.rank}: {exc}"
+        _fail_together(bool(failed), failed)
+        return found
+
+    def _held(self, step: int, chosen: dict[int, int]) -> dict[int, Snapshot]:
+        """The snapshots of ``step`` this rank provides: its own, and the lost slots' given to it."""
+        held: dict[int, Snapshot] = {}
+        if chosen.get(self._old_rank()) == self.rank:
+            own, _ = self._own(step)
+            if own is not None:
+                held[own.rank] = own
         for meta in self._agent_metas():
-            if meta.node in self._lost_nodes() and meta.step == step and meta.rank not in mine:
+            if chosen.get(meta.rank) == self.rank and meta.rank not in held and meta.step == step \
+                    and meta.node in self._lost_nodes() and meta.epoch == self.epoch:
                 fetched = self._fetch(Slot(meta.node, meta.slot), step)
                 if fetched is not None:
-                    mine[meta.rank] = fetched
-        everyone = _all_gather(mine)
-        merged: dict[int, Snapshot] = {}
-        for part in everyone:
-            merged.update(part)
-        missing = sorted(set(expected) - set(merged))
-        _fail_together(bool(missing), f"no snapshot of step {step} for old ranks {missing}")
-        return [merged[r] for r in expected]
+                    held[meta.rank] = fetched
+        return held
 
 
 def abort_generation(keep_ports: set[int]) -> dict[str, Any]:
