@@ -58,6 +58,7 @@ from elastic.worker.hangprobe import HangProbe
 from elastic.worker.heap import HeapFreeze
 from elastic.control.generations import Plan
 from elastic.worker.inprocess import EXIT_RECOVERY_FAILED, InProcess, is_peer_failure, wait_for_agent
+from elastic.worker.memwatch import RecoveryPeak
 from elastic.worker.scalars import ScalarLog
 from elastic.worker.screen import BackgroundScreen
 
@@ -258,6 +259,7 @@ class WorkerSession:
         self._commit_points = False  # the trainer calls commit_point(): snapshot pushes overlap its steps
         self._sync_points = False  # the trainer calls sync_point(): snapshot copies overlap its steps' starts
         self._step = 0
+        self.memory = RecoveryPeak()  # each step's peak RSS, against a re-formation's (trainer.recovered)
 
     @classmethod
     @contextmanager
@@ -410,6 +412,7 @@ class WorkerSession:
                         run.step(step + 1)
                         step += 1
                         self._after_step(step, run)
+                    self.memory.step_done()
                     heap.after_step(step)
                 except Exception as exc:  # only a lost peer is handled here; everything else re-raises
                     lost = self._peer_lost(exc)
@@ -478,6 +481,7 @@ class WorkerSession:
         to :data:`REFORM_TRIES` times; any other failure falls back to a restart from disk."""
         assert self.inproc is not None
         t0 = time.monotonic()
+        self.memory.recovery_started()  # the failed step's frames are gone by now: not counted
         self.events.emit("trainer.peer_lost", step=step, gen=self.inproc.gen, error=lost.error)
         self.agent.report_fault(step, self.inproc.gen, lost.error)
         # The old world goes first: a save in flight waits in its collectives, and closing the
@@ -528,7 +532,7 @@ class WorkerSession:
         bitwise, why = self.inproc.exact
         self.events.emit("trainer.recovered", path="inprocess", gen=self.inproc.gen, step=step, rank=self.rank,
                          world_size=self.world, loaded_from=source, recover_s=round(time.monotonic() - t0, 3),
-                         phases=dict(self.inproc.phases), bitwise=bitwise,
+                         phases=dict(self.inproc.phases), bitwise=bitwise, **self.memory.recovered(),
                          **({"trajectory_changed": why} if not bitwise else {}),
                          **(lost.fields() if lost is not None else {}))
         self.agent.report_recovered(step, self.inproc.gen, self.world, source)
