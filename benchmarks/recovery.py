@@ -17,6 +17,10 @@ peer died blocks instead of raising, as NCCL's does, so the in-process mode reco
 the pushed fault (plain torchrun's agents do not depend on a collective raising: they restart on
 the rendezvous).  ``breakdown.abort_s`` is then the fault's push -> the last survivor unwound.
 
+The in-process mode's fault waits, beyond ``--kill-at``, until every node's warm spare has imported
+(7-10 s of 2 shared cores for the DiT), as a fault hours into a run finds them; ``--cold-spares``
+measures the fault that lands while they still import.
+
 Faults: ``kill_worker`` SIGKILLs rank 1's worker; ``kill_node`` SIGKILLs the last node whole (agent
 or torchrun, and its workers), with an elastic range of nodes-1:nodes so the run goes on without it.
 Both land once the run has committed step ``--kill-at``.
@@ -77,7 +81,19 @@ NO_INPROCESS = {"agent.inprocess.enabled": False}
 
 # -- faults -------------------------------------------------------------------------------------
 def _victim(run_dir: Path, args, procs: list[subprocess.Popen], source: str) -> dict:
+    if args.mode == "inprocess" and not args.cold_spares:
+        _wait_spares_warm(run_dir, args.nodes, procs)
     return wait_step(run_dir, args.kill_at, procs, source=source)
+
+
+def _wait_spares_warm(run_dir: Path, nodes: int, procs: list[subprocess.Popen], timeout: float = 180.0) -> None:
+    """Until every node's spare has imported (a fault hours into a run finds them warm; one 5 s in,
+    at --kill-at 40, found them still importing, which the recovery then waited for)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+        if len(list(run_dir.glob("torchrun/*/*/spare-*.log"))) >= nodes and spares_warm(run_dir) is not None:
+            return
+        time.sleep(0.2)
 
 
 def kill_worker(run_dir: Path, args, procs: list[subprocess.Popen], source: str, node_procs=None) -> float:
@@ -126,6 +142,7 @@ def overrides(args, mode: str) -> dict:
 
 
 def run_mode(args, work: Path, mode: str, faulty: bool, extra: dict | None = None, tag: str = "") -> dict:
+    args.mode = mode
     name = f"{mode}-{'fault' if faulty else 'clean'}{tag}"
     run_dir = work / name
     config = make_config(args, run_dir, f"bench-{name}", {**overrides(args, mode), **(extra or {})}, trainer=args.trainer)
@@ -374,6 +391,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kill-at", type=int, default=0, help="default: 100 (mlp), 40 (dit)")
     p.add_argument("--step-sleep", type=float, default=0.05)
     p.add_argument("--preflight", action="store_true", help="keep the agents' diag screens on")
+    p.add_argument("--cold-spares", action="store_true",
+                   help="in-process mode: fault at --kill-at even while the warm spares still import "
+                        "(default: wait until every spare is warm, as hours into a run)")
     p.add_argument("--peer-failure", choices=("raise", "hang"), default="raise",
                    help="hang: collectives whose peer died block (NCCL's behaviour) instead of raising (gloo's)")
     p.add_argument("--keep", help="keep run directories here instead of a temporary directory")
@@ -418,7 +438,8 @@ def main(argv: list[str] | None = None) -> int:
         "setup": {"nodes": args.nodes, "nproc_per_node": 1, "trainer": args.trainer, "fault": args.fault,
                   "steps": args.steps, "ckpt_interval": args.interval, "kill_at_step": args.kill_at,
                   "step_sleep_s": args.step_sleep, "backend": "gloo/cpu", "cpus": os.cpu_count(),
-                  "preflight_screens": args.preflight, "peer_failure": args.peer_failure},
+                  "preflight_screens": args.preflight, "peer_failure": args.peer_failure,
+                  "spares_warm_at_fault": not args.cold_spares},
         "load_avg_1m": {"before": load_before, "after": load_avg()},
         **results,
     }
