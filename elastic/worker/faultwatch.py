@@ -83,6 +83,11 @@ class FaultLatch:
             self.gen = gen
             self.torn_event.clear()
 
+    def torn(self) -> bool:
+        """The current generation was torn down: any error of its world is that abort's doing
+        (a group gone, a socket cut), whatever its text."""
+        return self.gen in self._torn
+
     def check(self, gen: int | None = None) -> None:
         """Raise PeerAborted when generation ``gen`` (the current one) was torn down meanwhile."""
         if (self.gen if gen is None else gen) in self._torn:

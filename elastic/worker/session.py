@@ -401,7 +401,7 @@ class WorkerSession:
         """Build the trainer for this world, resume, run every step (saving and snapshotting after
         each), and re-form in-process when a peer is lost; returns the final checksum."""
         run = build(self)
-        step = self._resume(run)
+        step, run = self._start(build, run)
         self.screen_gate()
         heap = HeapFreeze(self.events)
         try:
@@ -436,6 +436,20 @@ class WorkerSession:
         if not verdict["passed"]:
             raise ScreenFailed(verdict["reason"])
 
+    def _start(self, build: Callable[[WorkerSession], Trainable], run: Trainable) -> tuple[int, Trainable]:
+        """Resume; a spare whose first generation loses a peer while it restores (a second fault)
+        re-forms for the next one, as the survivors do, instead of failing its slot."""
+        lost = None
+        try:
+            return self._resume(run), run
+        except Exception as exc:  # a peer failure is handled below; anything else re-raises
+            lost = self._peer_lost(exc) if self.inproc is not None and self.inproc.joining else None
+            if lost is None:
+                raise
+        run = None
+        run, step = self._recover(build, 0, lost)
+        return step, run
+
     def _resume(self, run: Trainable) -> int:
         if self.inproc is not None and self.inproc.joining:
             return self._restore_snapshots(run, time.monotonic(), start_event=True)
@@ -465,7 +479,7 @@ class WorkerSession:
         until the pushed fault tears the generation down, as the collective would have."""
         if self.inproc is not None:
             self.inproc.latch.disarm()
-        if self.inproc is None or not is_peer_failure(exc):
+        if self.inproc is None or not (is_peer_failure(exc) or self.inproc.latch.torn()):
             raise exc
         if self.inproc.hang_switch and not isinstance(exc, PeerAborted):
             try:
@@ -495,7 +509,7 @@ class WorkerSession:
             try:
                 return self._reform_once(build, t0, lost)
             except Exception as err:  # noqa: BLE001 - judged below: re-form again or fall back
-                if attempt < REFORM_TRIES and _retryable(err):
+                if attempt < REFORM_TRIES and (_retryable(err) or self.inproc.latch.torn()):
                     self.events.emit("trainer.reform_retry", step=step, attempt=attempt, gen=self.inproc.latch.gen,
                                      error=f"{type(err).__name__}: {err}"[:300])
                     continue
