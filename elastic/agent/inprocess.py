@@ -523,6 +523,7 @@ class InProcessWorkers:
         of this generation already posted (pushed by another agent) is not put again."""
         record = {"epoch": self.epoch, "gen": self.gen, "node": node, "kind": kind, "reason": reason[:300],
                   "by": self.spec.node_id, "ts": time.time()}
+        self.want(self.gen + 1)  # this node's workers need the next generation: join it for them
         if not self.board.post_fault(self.epoch, record):
             return
         try:
@@ -536,6 +537,11 @@ class InProcessWorkers:
         """Another agent's pushed fault (from the signal watch's thread): to this node's workers."""
         if int(record.get("epoch", -1)) != self.epoch or not self.detached:
             return
+        if int(record.get("gen", -1)) >= self.gen:
+            # Every worker of this node needs the next generation now: join it for them at once
+            # (a cold spare on this node would ask only once it has imported, after the others'
+            # round had waited out its timeout).
+            self.want(int(record["gen"]) + 1)
         if self.board.post_fault(self.epoch, record):
             self.events.emit("agent.fault_heard", gen=record.get("gen"), node=record.get("node"),
                              fault_kind=record.get("kind"), by=record.get("by"),
