@@ -168,6 +168,18 @@ class MemStateClient:
             raise MemStateCorrupt(f"snapshot {node}/{slot}: bytes do not match their sha256")
         return meta, data
 
+    def snap_fit(self, shard_bytes: int, local_shards: int) -> str | None:
+        """Whether this rank's snapshots (``shard_bytes`` each, ``local_shards`` on the node) fit its
+        agent's cap: None, or the one line that names the field, the size needed and the size allowed."""
+        with self._connect() as sock:
+            try:
+                _send(sock, {"op": "snap_fit", "token": self.token, "nbytes": shard_bytes,
+                             "local_shards": local_shards})
+                reply = _read_line(sock)
+            except (OSError, ValueError, ConnectionError) as exc:
+                raise MemStateUnavailable(f"snapshot size check failed: {exc}") from exc
+        return None if reply.get("ok") else str(reply.get("error"))
+
     def snap_list(self) -> list[SnapMeta]:
         with self._connect() as sock:
             try:

@@ -284,6 +284,31 @@ class SnapMeta:
         return cls(**{k: data[k] for k in names})
 
 
+SNAPSHOT_CAP_FIELD = "agent.inprocess.snapshot_mib"
+
+
+def snapshot_need(shard_bytes: int, local_shards: int, depth: int = 2) -> int:
+    """Bytes one agent holds at most: ``depth`` steps of each local shard and of the buddy's (the
+    buddy node runs as many shards as this one: a run's nodes have the same slots)."""
+    return depth * 2 * local_shards * shard_bytes
+
+
+def snapshot_fit_error(shard_bytes: int, local_shards: int, limit_bytes: int, depth: int = 2) -> str | None:
+    """The one line that stops a run whose snapshots cannot fit the agent's cap, or None when they
+    fit.  Checked once at the start, never per step: a snapshot dropped for lack of room would turn
+    the next fault into a disk restart without a word."""
+    need = snapshot_need(shard_bytes, local_shards, depth)
+    if need <= limit_bytes:
+        return None
+    return (f"{SNAPSHOT_CAP_FIELD}: per-step snapshots need {_mib(need)} MiB ({depth} steps x ({local_shards} local "
+            f"shards + {local_shards} of the buddy's) x {shard_bytes / 2**20:.1f} MiB), {_mib(limit_bytes)} MiB "
+            "allowed; raise it, or set agent.inprocess.snapshots: false to run without them")
+
+
+def _mib(nbytes: int) -> int:
+    return -(-nbytes // 2**20)
+
+
 class SnapshotCache:
     """The newest ``depth`` snapshots of each (node, slot): this node's workers' and, as a buddy, a peer's.
 
@@ -499,6 +524,9 @@ class MemStateServer:
             self._snap_put(sock, header)
         elif op == "snap_get":
             self._snap_get(sock, header)
+        elif op == "snap_fit":
+            error = snapshot_fit_error(int(header["nbytes"]), int(header["local_shards"]), self.snapshots.max_bytes)
+            _send(sock, {"ok": error is None, "error": error})
         elif op == "snap_list":
             _send(sock, {"ok": True, "metas": [m.to_json() for m in self.snapshots.metas()]})
         elif op == "round_wait":

@@ -171,6 +171,13 @@ def capture(state: Mapping[str, Any], step: int, gen: int, rank: int, world: int
     return Snapshot(step, gen, rank, world, None, blob, packed, skeleton)
 
 
+def snapshot_nbytes(state: Mapping[str, Any]) -> int:
+    """The bytes of this rank's snapshot of ``state`` as it is now (its packed tensors), without a copy."""
+    sources: list[torch.Tensor] = []
+    _skeleton(snapshot_state_dicts(state), sources)
+    return data_table([torch.empty(t.shape, dtype=t.dtype, device="meta") for t in sources])[1]
+
+
 def extra_of(snapshot: Snapshot) -> dict[str, Any]:
     return torch.load(io.BytesIO(snapshot.extra), weights_only=True) if snapshot.extra else {}
 

@@ -37,10 +37,12 @@ from elastic.checkpoint.snapshot import (
     SnapshotRing,
     capture,
     extra_of,
+    snapshot_nbytes,
     from_bytes,
     restore,
 )
 from elastic.common.collectives import check_device, group_device
+from elastic.common.config import ConfigError
 from elastic.common.env import WorkerEnv
 from elastic.common.events import EventLog
 from elastic.common.exits import EXIT_RECOVERY_FAILED
@@ -101,6 +103,7 @@ class InProcess:
         self.ab_block = int(env.snapshots[3:]) if env.snapshots.startswith("ab:") else 0
         self.costs = SnapshotCosts()
         self._pending_capture = False  # a deferred capture not yet waited for (captured())
+        self.fit_bytes = 0  # the largest snapshot the agent's cap was checked for (check_fit)
         self.pusher = SnapshotPusher(self.client, env.node_id, local_rank, self.epoch, events) if self.client else None
         self.rank = -1
         self.phases: dict[str, float] = {}  # the last re-formation's (PhaseClock)
@@ -143,6 +146,22 @@ class InProcess:
         """The rank torchrun gave this worker (its agent registers the node's slots for generation 0)."""
         self.rank = rank
 
+    def check_fit(self, state: dict[str, Any]) -> None:
+        """Before training: this rank's snapshots, two steps of every local shard and of the buddy's,
+        fit the agent's cap (``agent.inprocess.snapshot_mib``), else ConfigError, one line naming
+        it.  A fresh optimizer has no state yet: the first capture checks again at its full size."""
+        if self.snapshots_on and self.client is not None:
+            self._fit(snapshot_nbytes(state))
+
+    def _fit(self, nbytes: int) -> None:
+        if nbytes <= self.fit_bytes:
+            return
+        error = self.client.snap_fit(nbytes, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        if error is not None:
+            field, _, message = error.partition(": ")
+            raise ConfigError(field, message)
+        self.fit_bytes = nbytes
+
     def snapshot(self, step: int, state: dict[str, Any], extra: dict[str, Any], world: int,
                  deferred: bool = False) -> None:
         """Take this rank's snapshot of ``step`` and push it.  ``deferred``: the copy is taken on the
@@ -167,6 +186,8 @@ class InProcess:
     def _capture(self, step: int, state: dict[str, Any], extra: dict[str, Any], world: int) -> Snapshot:
         t0, cpu0 = time.monotonic(), time.thread_time()
         snap = capture(state, step, self.gen, self.rank, world, extra, ring=self.ring)
+        if self.client is not None:
+            self._fit(snap.packed.flat.numel() if snap.packed is not None else 0)  # once it grows
         self.ring.add(snap)
         self.costs.capture_s.append(time.monotonic() - t0)
         self.costs.capture_cpu_s.append(time.thread_time() - cpu0)

@@ -385,6 +385,8 @@ class WorkerSession:
         each), and re-form in-process when a peer is lost; returns the final checksum."""
         run = build(self)
         step = self._resume(run)
+        if self.inproc is not None and not self.inproc.joining:
+            self.inproc.check_fit(run.state())  # a cap too small stops the run here, not a fault later
         self.screen_gate()
         heap = HeapFreeze(self.events)
         try:

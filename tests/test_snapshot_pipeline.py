@@ -1,0 +1,66 @@
+"""Per-step snapshots at real sizes (issue 28): the cap checked from the model before training, the
+checksum, large shards through the agent's store and the buddy."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from elastic.checkpoint.memclient import MemStateClient
+from elastic.checkpoint.memstate import MemStateServer, snapshot_fit_error, snapshot_need
+from elastic.common.config import ConfigError
+from elastic.worker.inprocess import InProcess
+from elastic.worker.session import WorkerSession
+
+pytestmark = [pytest.mark.timeout(60), pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
+
+MIB = 1 << 20
+
+
+@pytest.fixture
+def store():
+    server = MemStateServer(max_bytes=64 * MIB)
+    yield server
+    server.close()
+
+
+def test_the_cap_counts_two_steps_of_every_local_shard_and_the_buddys():
+    assert snapshot_need(10 * MIB, 8) == 2 * 16 * 10 * MIB
+    assert snapshot_fit_error(2 * MIB, 8, 64 * MIB) is None  # 2 x 16 x 2 MiB = 64 MiB: fits exactly
+    line = snapshot_fit_error(3 * MIB, 8, 64 * MIB)
+    assert line is not None and "\n" not in line
+    assert line.startswith("agent.inprocess.snapshot_mib: per-step snapshots need 96 MiB")
+    assert "64 MiB allowed" in line and "agent.inprocess.snapshots: false" in line
+
+
+def _inprocess(client: MemStateClient, snapshots_on: bool = True) -> InProcess:
+    inproc = InProcess.__new__(InProcess)  # only the snapshot-size check's parts
+    inproc.client, inproc.snapshots_on, inproc.fit_bytes = client, snapshots_on, 0
+    inproc.round = types.SimpleNamespace(joining=False)
+    return inproc
+
+
+def test_a_model_too_big_for_the_cap_stops_before_its_first_step(store, monkeypatch):
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    inproc = _inprocess(MemStateClient(store.addr, store.token, timeout_s=5))
+    steps: list[int] = []
+    run = types.SimpleNamespace(state=lambda: {"w": torch.zeros(MIB // 4 * 3)},  # 3 MiB of float32
+                                step=steps.append, last_step=5)
+    session = types.SimpleNamespace(inproc=inproc, _resume=lambda run: 0,
+                                    screen_gate=lambda: None, events=None)
+    with pytest.raises(ConfigError) as caught:
+        WorkerSession.train(session, lambda s: run)
+    assert steps == []  # refused before training
+    assert str(caught.value).startswith("agent.inprocess.snapshot_mib: per-step snapshots need 96 MiB")
+    assert "64 MiB allowed" in str(caught.value)
+    inproc.check_fit({"w": torch.zeros(MIB // 4 * 2)})  # 2 MiB: fits, remembered
+    assert inproc.fit_bytes == 2 * MIB
+
+
+def test_snapshots_off_skip_the_cap_check(store, monkeypatch):
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    inproc = _inprocess(MemStateClient(store.addr, store.token, timeout_s=5), snapshots_on=False)
+    inproc.check_fit({"w": torch.zeros(MIB * 4)})  # 16 MiB a shard, no snapshots: no refusal
+    assert inproc.fit_bytes == 0
