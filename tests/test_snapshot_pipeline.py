@@ -64,3 +64,17 @@ def test_snapshots_off_skip_the_cap_check(store, monkeypatch):
     inproc = _inprocess(MemStateClient(store.addr, store.token, timeout_s=5), snapshots_on=False)
     inproc.check_fit({"w": torch.zeros(MIB * 4)})  # 16 MiB a shard, no snapshots: no refusal
     assert inproc.fit_bytes == 0
+
+
+def test_the_checksum_names_its_algorithm_and_catches_one_changed_byte():
+    from elastic.checkpoint.checksum import digest_chunks, verify
+    import hashlib
+
+    data = bytearray(range(256)) * 4096
+    digest, nbytes = digest_chunks([memoryview(data)[:1000], memoryview(data)[1000:]])
+    assert digest.startswith("xxh3_128:") and nbytes == len(data)
+    assert digest == digest_chunks([data])[0]  # chunking does not change it
+    assert verify(digest, data)
+    data[123456] ^= 1
+    assert not verify(digest, data)
+    assert verify(hashlib.sha256(b"old").hexdigest(), b"old")  # an older sha256 digest still checks

@@ -13,6 +13,7 @@ import socket
 import threading
 from typing import Any
 
+from elastic.checkpoint import checksum
 from elastic.checkpoint.memstate import (
     Chunk,
     EntryMeta,
@@ -164,8 +165,9 @@ class MemStateClient:
                 data = _read_exact(sock, meta.nbytes)
             except (OSError, ValueError, ConnectionError) as exc:
                 raise MemStateUnavailable(f"snapshot fetch failed: {exc}") from exc
-        if sha256_bytes(data) != meta.sha256:
-            raise MemStateCorrupt(f"snapshot {node}/{slot}: bytes do not match their sha256")
+        if not checksum.verify(meta.checksum, data):
+            raise MemStateCorrupt(f"snapshot {node}/{slot} step {meta.step}: bytes do not match their checksum "
+                                  f"({meta.checksum.partition(':')[0]})")
         return meta, data
 
     def snap_fit(self, shard_bytes: int, local_shards: int) -> str | None:

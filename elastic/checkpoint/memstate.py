@@ -21,9 +21,10 @@ put; the reply is a JSON header line, then the entry's bytes for a get.
 Integrity: every entry carries the sha256 of its bytes; the server checks it
 when the bytes arrive (a torn or altered upload is refused) and the client
 checks it again on every fetch (memory that changed at rest is refused).
-Per-step snapshots are checked on every fetch only: their stores (this node's
-agent and the buddy's) refuse a torn upload by its length, but do not hash each
-step's bytes twice more; the hash is what a restore verifies.
+Per-step snapshots carry a fast checksum instead (XXH3-128,
+:mod:`elastic.checkpoint.checksum`), checked on every fetch only: their stores
+(this node's agent and the buddy's) refuse a torn upload by its length, but do
+not hash each step's bytes twice more; the checksum is what a restore verifies.
 """
 
 from __future__ import annotations
@@ -270,7 +271,8 @@ class SnapMeta:
     epoch: int
     gen: int
     step: int
-    sha256: str
+    checksum: str
+    """``algorithm:hex`` of the snapshot's bytes (:mod:`elastic.checkpoint.checksum`), verified on every read."""
     nbytes: int
 
     def to_json(self) -> dict[str, Any]:
@@ -323,7 +325,7 @@ class SnapshotCache:
         self._lock = threading.Lock()
 
     def put(self, meta: SnapMeta, data: bytearray) -> None:
-        # Length only: the sha256 is checked when the snapshot is read (MemStateClient.snap_get),
+        # Length only: the checksum is checked when the snapshot is read (MemStateClient.snap_get),
         # the one time its bytes matter.  Hashing them here too, at this node's store and again at
         # the buddy's, was ~0.35 ms of CPU per store per step on the DiT benchmark (2 shared cores),
         # a third of what the stores cost a step; a corrupt copy still never reaches a model.

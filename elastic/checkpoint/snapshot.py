@@ -46,7 +46,8 @@ from elastic.checkpoint.memory import (
     resolve,
     tensor_ref,
 )
-from elastic.checkpoint.memstate import MemStateError, SnapMeta, sha256_chunks
+from elastic.checkpoint.checksum import digest_chunks
+from elastic.checkpoint.memstate import MemStateError, SnapMeta
 from elastic.common.events import EventLog
 
 SHARD = "__shard__"
@@ -348,9 +349,9 @@ class SnapshotPusher:
         t0, cpu0 = time.monotonic(), time.thread_time()
         try:
             chunks = to_bytes(snapshot)
-            sha, nbytes = sha256_chunks(chunks)
+            digest, nbytes = digest_chunks(chunks)  # here, off the training thread (it releases the GIL)
             meta = SnapMeta(node=self.node, slot=self.slot, rank=snapshot.rank, world_size=snapshot.world,
-                            epoch=self.epoch, gen=snapshot.gen, step=snapshot.step, sha256=sha, nbytes=nbytes)
+                            epoch=self.epoch, gen=snapshot.gen, step=snapshot.step, checksum=digest, nbytes=nbytes)
             if self.kill_during(snapshot.step):
                 self.client.snap_put_torn(meta, chunks)  # never returns
             self.client.snap_put(meta, *chunks)
