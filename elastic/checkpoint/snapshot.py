@@ -46,7 +46,8 @@ from elastic.checkpoint.memory import (
     resolve,
     tensor_ref,
 )
-from elastic.checkpoint.checksum import digest_chunks
+from elastic.checkpoint import shm
+from elastic.checkpoint.checksum import ALGORITHM, digest_chunks
 from elastic.checkpoint.memstate import MemStateError, SnapMeta
 from elastic.common.events import EventLog
 
@@ -67,11 +68,16 @@ class Packed:
     ``to_bytes``); one ``_foreach_copy_`` into cached views and a three-chunk push cost a fraction.
     The views are made once per buffer; :class:`SnapshotRing` hands buffers back for reuse."""
 
-    def __init__(self, layout: tuple[tuple[torch.dtype, tuple[int, ...]], ...]) -> None:
+    def __init__(self, layout: tuple[tuple[torch.dtype, tuple[int, ...]], ...], shared: bool = False) -> None:
         self.layout = layout
         specs = [torch.empty(shape, dtype=dtype, device="meta") for dtype, shape in layout]
         self.table, nbytes = data_table(specs)
-        self.flat = torch.zeros(nbytes, dtype=torch.uint8)  # zeros: the alignment gaps are sent too
+        # shared: in memory the node agent maps instead of receiving (elastic.checkpoint.shm).
+        self.shared = shm.SharedBuffer(nbytes) if shared and nbytes and shm.supported() else None
+        if self.shared is not None:  # zeroed as a new memfd is: the alignment gaps are sent too
+            self.flat = torch.frombuffer(self.shared.map, dtype=torch.uint8, count=nbytes)
+        else:
+            self.flat = torch.zeros(nbytes, dtype=torch.uint8)
         self.views = [self.flat[off:off + n].view(dtype).view(shape)
                       for (dtype, shape), (_, _, off, n) in zip(layout, self.table)]
 
@@ -209,8 +215,9 @@ class SnapshotCosts:
 class SnapshotRing:
     """This rank's newest snapshots in-process (two: see the module docstring)."""
 
-    def __init__(self, depth: int = 2) -> None:
+    def __init__(self, depth: int = 2, shared: bool = False) -> None:
         self.depth = depth
+        self.shared = shared  # buffers in shared memory (a worker whose agent maps them)
         self._items: list[Snapshot] = []
         self._free: list[Packed] = []  # buffers of snapshots the ring let go (their pushes are done)
 
@@ -226,7 +233,7 @@ class SnapshotRing:
         A snapshot leaves the ring only when a newer one is added, after its own push finished
         (a push is waited for before the next step's last collectives), so nothing reads it."""
         self._free = [p for p in self._free if p.layout == layout]  # a new world: new shard shapes
-        return self._free.pop() if self._free else Packed(layout)
+        return self._free.pop() if self._free else Packed(layout, self.shared)
 
     def get(self, step: int) -> Snapshot | None:
         return next((s for s in self._items if s.step == step), None)
@@ -264,8 +271,9 @@ class SnapshotPusher:
     changes any state the copy reads (see :meth:`InProcess.snapshot`)."""
 
     def __init__(self, client: MemStateClient, node: str, slot: int, epoch: int, events: EventLog,
-                 kill_during: Callable[[int], bool] = lambda step: False) -> None:
+                 kill_during: Callable[[int], bool] = lambda step: False, checksum: str = ALGORITHM) -> None:
         self.client = client
+        self.checksum = checksum  # the algorithm (elastic.checkpoint.checksum); sha256 for a baseline
         self.kill_during = kill_during  # fault injection: die with a torn upload (elastic.worker.faults)
         self.node, self.slot, self.epoch = node, slot, epoch
         self.events = events
@@ -278,6 +286,7 @@ class SnapshotPusher:
         self.failures = 0
         self.push_s: list[float] = []  # each push's duration on the background thread (stats())
         self.push_cpu_s: list[float] = []  # and that thread's CPU time for it
+        self.capture_s: list[float] = []  # each deferred capture's duration on this thread
 
     def push(self, snapshot: Snapshot) -> None:
         self.submit(lambda: snapshot)
@@ -328,8 +337,11 @@ class SnapshotPusher:
                     self._cond.notify_all()
 
     def _take(self, job: Callable[[], Snapshot]) -> Snapshot | None:
+        t0 = time.monotonic()
         try:
-            return job()
+            snapshot = job()
+            self.capture_s.append(time.monotonic() - t0)
+            return snapshot
         except Exception as exc:  # noqa: BLE001 -- handed to the training thread (wait_captured)
             with self._cond:
                 self._capture_error = exc
@@ -349,12 +361,12 @@ class SnapshotPusher:
         t0, cpu0 = time.monotonic(), time.thread_time()
         try:
             chunks = to_bytes(snapshot)
-            digest, nbytes = digest_chunks(chunks)  # here, off the training thread (it releases the GIL)
+            digest, nbytes = digest_chunks(chunks, self.checksum)  # here, off the training thread (it releases the GIL)
             meta = SnapMeta(node=self.node, slot=self.slot, rank=snapshot.rank, world_size=snapshot.world,
                             epoch=self.epoch, gen=snapshot.gen, step=snapshot.step, checksum=digest, nbytes=nbytes)
             if self.kill_during(snapshot.step):
                 self.client.snap_put_torn(meta, chunks)  # never returns
-            self.client.snap_put(meta, *chunks)
+            self._send(snapshot, meta, chunks)
         except (MemStateError, OSError, RuntimeError, ValueError) as exc:
             self._failed(snapshot, exc)
             return
@@ -363,6 +375,14 @@ class SnapshotPusher:
         self.push_cpu_s.append(time.thread_time() - cpu0)
         if snapshot.step % 50 == 0 or self.failures:
             self.events.emit("snapshot.pushed", step=snapshot.step, bytes=nbytes, push_s=round(self.push_s[-1], 6))
+
+    def _send(self, snapshot: Snapshot, meta: SnapMeta, chunks: list[memoryview | bytes]) -> None:
+        """To the agent: the shared buffer's descriptor where it has one (no bytes copied), else the bytes."""
+        shared = snapshot.packed.shared if snapshot.packed is not None else None
+        if shared is not None and self.client.shared and len(chunks) == 3:
+            self.client.snap_put_shared(meta, shared, memoryview(chunks[1]).nbytes, chunks[0], chunks[2])
+        else:
+            self.client.snap_put(meta, *chunks)
 
     def _failed(self, snapshot: Snapshot, exc: BaseException) -> None:
         self.failures += 1

@@ -98,7 +98,7 @@ class InProcess:
         self.client = (MemStateClient(env.memstate_addr, env.memstate_token, 30.0, keep_alive=True)
                        if env.memstate_addr else None)
         self.round = GenerationClient(env, local_rank, self.client)  # the rounds, over the local channel
-        self.ring = SnapshotRing()
+        self.ring = SnapshotRing(shared=bool(env.memstate_addr))  # the agent maps its buffers
         self.snapshots_on = env.snapshots != "0"
         self.ab_block = int(env.snapshots[3:]) if env.snapshots.startswith("ab:") else 0
         self.costs = SnapshotCosts()
