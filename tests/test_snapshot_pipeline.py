@@ -78,3 +78,59 @@ def test_the_checksum_names_its_algorithm_and_catches_one_changed_byte():
     data[123456] ^= 1
     assert not verify(digest, data)
     assert verify(hashlib.sha256(b"old").hexdigest(), b"old")  # an older sha256 digest still checks
+
+
+def test_a_300_mb_shard_is_stored_replicated_to_the_buddy_and_restored_bitwise(tmp_path):
+    from elastic.checkpoint.memclient import ClientPool
+    from elastic.checkpoint.snapshot import SnapshotPusher, SnapshotRing, capture, from_bytes, restore
+    from elastic.common.events import EventLog
+
+    buddy = MemStateServer(max_bytes=1400 * MIB)
+    agent = MemStateServer(max_bytes=1400 * MIB)
+    pool = ClientPool(buddy.addr, buddy.token, 30.0)
+    agent.replicate = pool.replicate
+    client = MemStateClient(agent.addr, agent.token, timeout_s=30, keep_alive=True)
+    pusher = SnapshotPusher(client, "n0", 3, 0, EventLog(None, "test"))
+    ring = SnapshotRing(shared=True)
+    state = {"w": torch.randn(300 * MIB // 4, generator=torch.Generator().manual_seed(0)), "step": 7}
+    try:
+        snap = capture(state, 7, 0, 3, 8, ring=ring)
+        ring.add(snap)
+        assert snap.packed.shared is not None  # the agent maps it: no bytes over the socket
+        pusher.push(snap)
+        pusher.wait()
+        assert pusher.failures == 0 and pusher.last_pushed == 7
+        expected = state["w"].clone()
+        state["w"].fill_(0.5)  # the worker goes on; what was stored is the step-7 state
+        from_agent = client.snap_get("n0", 3, 7)
+        from_buddy = MemStateClient(buddy.addr, buddy.token, timeout_s=30, peer=True).snap_get("n0", 3, 7)
+        assert from_agent[0].checksum == from_buddy[0].checksum and bytes(from_agent[1][:64]) == bytes(from_buddy[1][:64])
+        fresh = {"w": torch.zeros(300 * MIB // 4), "step": 0}
+        restore(fresh, [from_bytes(*from_buddy)], rank=3, world=8)
+        assert torch.equal(fresh["w"], expected) and fresh["step"] == 7
+    finally:
+        client.close()
+        pool.close()
+        agent.close()
+        buddy.close()
+
+
+def test_a_changed_byte_in_a_stored_snapshot_is_refused_on_read():
+    from elastic.checkpoint.memstate import MemStateCorrupt
+    from elastic.checkpoint.snapshot import SnapshotPusher, SnapshotRing, capture
+    from elastic.common.events import EventLog
+
+    agent = MemStateServer(max_bytes=64 * MIB)
+    client = MemStateClient(agent.addr, agent.token, timeout_s=5, keep_alive=True)
+    pusher = SnapshotPusher(client, "n0", 0, 0, EventLog(None, "test"))
+    ring = SnapshotRing(shared=True)
+    try:
+        snap = capture({"w": torch.arange(1000.0)}, 1, 0, 0, 1, ring=ring)
+        pusher.push(snap)
+        pusher.wait()
+        snap.packed.flat[100] ^= 0xFF  # memory the agent maps changed at rest
+        with pytest.raises(MemStateCorrupt, match="checksum"):
+            client.snap_get("n0", 0, 1)
+    finally:
+        client.close()
+        agent.close()

@@ -721,7 +721,7 @@ class MemStateServer:
                 _send(sock, {"ok": False, "error": "empty", "miss": True})
                 return
             meta, data = entry
-            _send(sock, {"ok": True, "meta": meta.to_json()}, data)
+            _send(sock, {"ok": True, "meta": meta.to_json()}, *_chunks(data))
 
     def close(self) -> None:
         for server in (self._server, self._unix):
