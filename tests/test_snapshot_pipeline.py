@@ -134,3 +134,27 @@ def test_a_changed_byte_in_a_stored_snapshot_is_refused_on_read():
     finally:
         client.close()
         agent.close()
+
+
+def test_the_copy_path_is_chosen_by_where_the_state_lives(monkeypatch):
+    from elastic.checkpoint.snapshot import capture, copy_path, wait_copied
+
+    on_gpu = types.SimpleNamespace(device=torch.device("cuda", 0))
+    on_host = torch.zeros(3)
+    assert copy_path([on_host]) == "cpu"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert copy_path([on_host, on_gpu]) == "cuda"  # pinned buffer, side stream, event
+    assert copy_path([on_host]) == "cpu"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert copy_path([on_gpu]) == "cpu"  # a CPU-only build: today's blocking copy
+    snap = capture({"w": on_host}, 1, 0, 0, 1)
+    assert snap.ready is None and not snap.packed.pinned  # the CPU path: copied when capture returns
+    wait_copied(snap)  # nothing queued, nothing to wait for
+
+
+def test_a_gpu_worker_captures_on_its_training_thread_and_never_defers():
+    inproc = InProcess.__new__(InProcess)
+    inproc.device = torch.device("cuda", 0)
+    assert inproc._device_copy
+    inproc.device = torch.device("cpu")
+    assert not inproc._device_copy

@@ -59,6 +59,42 @@ class SnapshotError(RuntimeError):
     """A snapshot cannot be taken or restored (the caller falls back to a disk checkpoint)."""
 
 
+_SIDE_STREAMS: dict[int, Any] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """One copy stream per device for the worker's life (a stream per capture would leak handles)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SIDE_STREAMS:
+        _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
+    return _SIDE_STREAMS[index]
+
+
+def _host_register(flat: torch.Tensor) -> bool:
+    """Page-lock a shared buffer in place (cudaHostRegister), so a device copy into it is a DMA
+    that overlaps compute; a pageable destination makes ``non_blocking`` copies synchronous."""
+    if not flat.numel():
+        return False
+    err = torch.cuda.cudart().cudaHostRegister(flat.data_ptr(), flat.numel(), 0)
+    if int(err) != 0:
+        raise SnapshotError(f"cudaHostRegister of a {flat.numel()}-byte snapshot buffer failed: {err}")
+    return True
+
+
+def copy_path(sources: list[torch.Tensor]) -> str:
+    """``cuda``: the sources live on a GPU (pinned buffer, side stream, event); ``cpu``: a blocking
+    copy, as before issue 28 (host tensors, or a CPU-only build)."""
+    on_gpu = any(t.device.type == "cuda" for t in sources)
+    return "cuda" if on_gpu and torch.cuda.is_available() else "cpu"
+
+
+def wait_copied(snapshot: Snapshot | None) -> None:
+    """Before the step changes state a GPU snapshot copies: the current stream waits for the copy
+    (a wait queued on the device; the training thread does not block)."""
+    if snapshot is not None and snapshot.ready is not None:
+        torch.cuda.current_stream().wait_event(snapshot.ready)
+
+
 class Packed:
     """One snapshot's tensors in a single host buffer, laid out as the wire format's data region
     (:func:`~elastic.checkpoint.memory.data_table`), with a typed view per tensor.
@@ -68,8 +104,10 @@ class Packed:
     ``to_bytes``); one ``_foreach_copy_`` into cached views and a three-chunk push cost a fraction.
     The views are made once per buffer; :class:`SnapshotRing` hands buffers back for reuse."""
 
-    def __init__(self, layout: tuple[tuple[torch.dtype, tuple[int, ...]], ...], shared: bool = False) -> None:
+    def __init__(self, layout: tuple[tuple[torch.dtype, tuple[int, ...]], ...], shared: bool = False,
+                 pinned: bool = False) -> None:
         self.layout = layout
+        self.pinned = pinned
         specs = [torch.empty(shape, dtype=dtype, device="meta") for dtype, shape in layout]
         self.table, nbytes = data_table(specs)
         # shared: in memory the node agent maps instead of receiving (elastic.checkpoint.shm).
@@ -77,7 +115,8 @@ class Packed:
         if self.shared is not None:  # zeroed as a new memfd is: the alignment gaps are sent too
             self.flat = torch.frombuffer(self.shared.map, dtype=torch.uint8, count=nbytes)
         else:
-            self.flat = torch.zeros(nbytes, dtype=torch.uint8)
+            self.flat = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=pinned)
+        self._registered = pinned and self.shared is not None and _host_register(self.flat)
         self.views = [self.flat[off:off + n].view(dtype).view(shape)
                       for (dtype, shape), (_, _, off, n) in zip(layout, self.table)]
 
@@ -90,6 +129,30 @@ class Packed:
             except RuntimeError:  # e.g. sources on several devices: the plain path
                 for view, src in zip(self.views, sources):
                     view.copy_(src)
+
+    def fill_async(self, sources: list[torch.Tensor]) -> torch.cuda.Event:
+        """GPU sources: copied into this (pinned) buffer on a side stream, ordered after the work
+        already queued on the current stream (the optimizer step that made the state); returns the
+        event recorded after the copy.  Nothing here waits: the training thread goes on queueing
+        the next step, the step's stream waits for the event before it changes the copied state
+        (:func:`wait_copied`), and the push thread waits for it before it reads the bytes."""
+        on_gpu = [i for i, t in enumerate(sources) if t.device.type == "cuda"]
+        device = sources[on_gpu[0]].device
+        host = [i for i, t in enumerate(sources) if t.device.type != "cuda"]  # e.g. Adam's step counters
+        with torch.no_grad():
+            for i in host:
+                self.views[i].copy_(sources[i])
+        side = _side_stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.no_grad(), torch.cuda.stream(side):
+            torch._foreach_copy_([self.views[i] for i in on_gpu], [sources[i] for i in on_gpu], non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(side)
+        return event
+
+    def __del__(self) -> None:
+        if getattr(self, "_registered", False):
+            torch.cuda.cudart().cudaHostUnregister(self.flat.data_ptr())
 
     def data(self) -> memoryview:
         return memoryview(self.flat.numpy()).cast("B") if self.flat.numel() else memoryview(b"")
@@ -107,6 +170,8 @@ class Snapshot:
     """The buffer the tensors are in (a captured snapshot; None for one read back)."""
     skeleton: Any = None
     """The state with tensor references in place of the tensors (with ``packed``: the wire header's)."""
+    ready: Any = None
+    """GPU copy path: the CUDA event recorded after the copy into ``packed`` (None: the copy is done)."""
 
     @property
     def tree(self) -> dict[str, Any]:
@@ -173,9 +238,10 @@ def capture(state: Mapping[str, Any], step: int, gen: int, rank: int, world: int
     sources: list[torch.Tensor] = []
     skeleton = _skeleton(snapshot_state_dicts(state), sources)
     layout = tuple((t.dtype, tuple(t.shape)) for t in sources)
-    packed = ring.buffer(layout) if ring is not None else Packed(layout)
-    packed.fill(sources)
-    return Snapshot(step, gen, rank, world, None, blob, packed, skeleton)
+    cuda = copy_path(sources) == "cuda"
+    packed = ring.buffer(layout, pinned=cuda) if ring is not None else Packed(layout, pinned=cuda)
+    ready = packed.fill_async(sources) if cuda else packed.fill(sources)
+    return Snapshot(step, gen, rank, world, None, blob, packed, skeleton, ready)
 
 
 def snapshot_nbytes(state: Mapping[str, Any]) -> int:
@@ -227,13 +293,13 @@ class SnapshotRing:
         self._free += [s.packed for s in self._items if s.packed is not None and id(s.packed) not in kept_ids]
         self._items = kept
 
-    def buffer(self, layout: tuple[tuple[torch.dtype, tuple[int, ...]], ...]) -> Packed:
+    def buffer(self, layout: tuple[tuple[torch.dtype, tuple[int, ...]], ...], pinned: bool = False) -> Packed:
         """A buffer for the next capture: one the ring let go, when its layout fits.
 
         A snapshot leaves the ring only when a newer one is added, after its own push finished
         (a push is waited for before the next step's last collectives), so nothing reads it."""
-        self._free = [p for p in self._free if p.layout == layout]  # a new world: new shard shapes
-        return self._free.pop() if self._free else Packed(layout, self.shared)
+        self._free = [p for p in self._free if p.layout == layout and p.pinned == pinned]  # a new world: new shapes
+        return self._free.pop() if self._free else Packed(layout, self.shared, pinned)
 
     def get(self, step: int) -> Snapshot | None:
         return next((s for s in self._items if s.step == step), None)
@@ -360,6 +426,8 @@ class SnapshotPusher:
     def _push(self, snapshot: Snapshot) -> None:
         t0, cpu0 = time.monotonic(), time.thread_time()
         try:
+            if snapshot.ready is not None:
+                snapshot.ready.synchronize()  # the GPU copy: waited for here, never on the training thread
             chunks = to_bytes(snapshot)
             digest, nbytes = digest_chunks(chunks, self.checksum)  # here, off the training thread (it releases the GIL)
             meta = SnapMeta(node=self.node, slot=self.slot, rank=snapshot.rank, world_size=snapshot.world,

@@ -38,6 +38,7 @@ from elastic.checkpoint.snapshot import (
     capture,
     extra_of,
     snapshot_nbytes,
+    wait_copied,
     from_bytes,
     restore,
 )
@@ -172,7 +173,7 @@ class InProcess:
         snapshot cost a step."""
         if not self.snapshots_on or not ab_snapshot_step(step, self.ab_block):
             return
-        if deferred and self.pusher is not None:
+        if deferred and self.pusher is not None and not self._device_copy:
             self.costs.deferred += 1
             self._pending_capture = True
             self.pusher.submit(lambda: self._capture(step, state, extra, world))
@@ -182,6 +183,12 @@ class InProcess:
         self.costs.blocked_s += time.monotonic() - t0
         if self.pusher is not None:
             self.pusher.push(snap)
+
+    @property
+    def _device_copy(self) -> bool:
+        """GPU state: the capture only queues an asynchronous copy (elastic.checkpoint.snapshot.copy_path),
+        so it runs on the training thread; deferring it to the push thread would gain nothing."""
+        return self.device is not None and self.device.type == "cuda"
 
     def _capture(self, step: int, state: dict[str, Any], extra: dict[str, Any], world: int) -> Snapshot:
         t0, cpu0 = time.monotonic(), time.thread_time()
@@ -194,7 +201,9 @@ class InProcess:
         return snap
 
     def captured(self) -> None:
-        """Before the step changes any state a snapshot holds: the deferred copy is taken."""
+        """Before the step changes any state a snapshot holds: the deferred copy is taken (a GPU
+        copy: the step's stream waits for it on the device)."""
+        wait_copied(self.ring.newest())
         if self.pusher is None or not self._pending_capture:
             return
         t0 = time.monotonic()
@@ -206,6 +215,7 @@ class InProcess:
 
     def before_collectives(self) -> None:
         """The previous step's snapshot must be off-process before this step's last collectives."""
+        wait_copied(self.ring.newest())
         if self.pusher is not None:
             t0 = time.monotonic()
             self.pusher.wait()
