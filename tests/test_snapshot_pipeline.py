@@ -158,3 +158,14 @@ def test_a_gpu_worker_captures_on_its_training_thread_and_never_defers():
     assert inproc._device_copy
     inproc.device = torch.device("cpu")
     assert not inproc._device_copy
+
+
+def test_a_snapshot_in_shared_memory_pickles_as_a_plain_copy():
+    import pickle
+
+    from elastic.checkpoint.snapshot import SnapshotRing, capture
+
+    snap = capture({"w": torch.arange(10.0), "n": 3}, 4, 0, 1, 2, ring=SnapshotRing(shared=True))
+    assert snap.packed.shared is not None
+    back = pickle.loads(pickle.dumps(snap))  # the restore's exchange between ranks pickles snapshots
+    assert back.packed.shared is None and torch.equal(back.tree["w"], torch.arange(10.0)) and back.tree["n"] == 3

@@ -117,8 +117,22 @@ class Packed:
         else:
             self.flat = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=pinned)
         self._registered = pinned and self.shared is not None and _host_register(self.flat)
-        self.views = [self.flat[off:off + n].view(dtype).view(shape)
-                      for (dtype, shape), (_, _, off, n) in zip(layout, self.table)]
+        self.views = self._views()
+
+    def _views(self) -> list[torch.Tensor]:
+        return [self.flat[off:off + n].view(dtype).view(shape)
+                for (dtype, shape), (_, _, off, n) in zip(self.layout, self.table)]
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled (a restore's exchange between ranks) as a plain host copy: the shared memory and
+        its mapping, and the page-locking, belong to this process."""
+        state = {**self.__dict__, "flat": self.flat.clone(), "shared": None, "_registered": False, "pinned": False}
+        del state["views"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.views = self._views()
 
     def fill(self, sources: list[torch.Tensor]) -> None:
         if not sources:
@@ -172,6 +186,12 @@ class Snapshot:
     """The state with tensor references in place of the tensors (with ``packed``: the wire header's)."""
     ready: Any = None
     """GPU copy path: the CUDA event recorded after the copy into ``packed`` (None: the copy is done)."""
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled after its copy is complete; the CUDA event stays behind."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        return {**self.__dict__, "ready": None}
 
     @property
     def tree(self) -> dict[str, Any]:
