@@ -361,6 +361,7 @@ class SnapshotPusher:
         self.client = client
         self.checksum = checksum  # the algorithm (elastic.checkpoint.checksum); sha256 for a baseline
         self.kill_during = kill_during  # fault injection: die with a torn upload (elastic.worker.faults)
+        self.corrupt_during: Callable[[int], bool] = lambda step: False  # fault injection: a byte changed at rest
         self.node, self.slot, self.epoch = node, slot, epoch
         self.events = events
         self._cond = threading.Condition()
@@ -454,6 +455,8 @@ class SnapshotPusher:
                             epoch=self.epoch, gen=snapshot.gen, step=snapshot.step, checksum=digest, nbytes=nbytes)
             if self.kill_during(snapshot.step):
                 self.client.snap_put_torn(meta, chunks)  # never returns
+            if self.corrupt_during(snapshot.step):
+                chunks = _corrupted(chunks)
             self._send(snapshot, meta, chunks)
         except (MemStateError, OSError, RuntimeError, ValueError) as exc:
             self._failed(snapshot, exc)
@@ -475,6 +478,16 @@ class SnapshotPusher:
     def _failed(self, snapshot: Snapshot, exc: BaseException) -> None:
         self.failures += 1
         self.events.emit("snapshot.push_failed", step=snapshot.step, error=f"{type(exc).__name__}: {exc}"[:300])
+
+
+def _corrupted(chunks: list[memoryview | bytes]) -> list[memoryview | bytes]:
+    """Fault injection: the chunks with the data region's first byte changed (in place when it is
+    the shared buffer: the agent's stored copy changes as memory at rest would)."""
+    data = memoryview(chunks[1]).cast("B") if len(chunks) == 3 else None
+    if data is None or not data.nbytes or data.readonly:
+        return [bytes(b ^ 0xFF for b in bytes(chunks[0])[:1]) + bytes(chunks[0])[1:], *chunks[1:]]
+    data[0] ^= 0xFF
+    return chunks
 
 
 # -- restore ---------------------------------------------------------------------------------------

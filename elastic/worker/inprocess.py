@@ -105,6 +105,7 @@ class InProcess:
         self.costs = SnapshotCosts()
         self._pending_capture = False  # a deferred capture not yet waited for (captured())
         self.fit_bytes = 0  # the largest snapshot the agent's cap was checked for (check_fit)
+        self.fetch_errors: list[str] = []  # why snapshots could not be read (trainer.recovery_failed says)
         self.pusher = SnapshotPusher(self.client, env.node_id, local_rank, self.epoch, events) if self.client else None
         self.rank = -1
         self.phases: dict[str, float] = {}  # the last re-formation's (PhaseClock)
@@ -370,6 +371,7 @@ class InProcess:
             got = self.client.snap_get(slot.node, slot.local_rank, step)
         except MemStateError as exc:
             self.events.emit("recovery.fetch_failed", slot=slot.key(), step=step, error=str(exc)[:300])
+            self.fetch_errors.append(f"{slot.key()} step {step}: {type(exc).__name__}: {exc}"[:300])
             return None
         return from_bytes(*got) if got is not None else None
 

@@ -234,6 +234,7 @@ class WorkerSession:
             if inproc.pusher is not None:
                 inproc.pusher.events = self.events
                 inproc.pusher.kill_during = lambda step: self.hooks.snapshot_kill(step)
+                inproc.pusher.corrupt_during = lambda step: self.hooks.snapshot_corrupt(step)
         self.ckpt = self._checkpoints() if checkpoints else None
         # The node screen runs while this worker builds and loads; the first step waits for it.
         self.screen = BackgroundScreen.from_env(int(os.environ.get("LOCAL_RANK", "0")))
@@ -482,7 +483,8 @@ class WorkerSession:
                     self.events.emit("trainer.reform_retry", step=step, attempt=attempt, gen=self.inproc.latch.gen,
                                      error=f"{type(err).__name__}: {err}"[:300])
                     continue
-                self.events.emit("trainer.recovery_failed", step=step, error=f"{type(err).__name__}: {err}"[:500])
+                self.events.emit("trainer.recovery_failed", step=step, error=f"{type(err).__name__}: {err}"[:500],
+                                 snapshot_errors=self.inproc.fetch_errors[-4:])  # e.g. a checksum mismatch
                 raise RecoveryFailed(f"{type(err).__name__}: {err}") from err
         raise AssertionError("unreachable")
 
