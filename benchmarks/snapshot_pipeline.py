@@ -160,7 +160,9 @@ def run_size(shard_mib: int, ranks: int, steps: int, compute_s: float, sync_frac
     return {"shard_mib": shard_mib, "ranks": ranks, "steps": steps, "compute_ms": round(compute_s * 1000),
             "node_push_gbps": round(ranks * shard_mib * MIB / statistics.median(windows) / 1e9, 3),
             "push_window_ms_median": round(statistics.median(windows) * 1000, 1),
-            "train_thread_wait_ms": {"median": round(statistics.median(waits), 3), "max": round(max(waits), 3)},
+            "train_thread_wait_ms": {"median": round(statistics.median(waits), 3),
+                                     "p90": round(sorted(waits)[int(0.9 * (len(waits) - 1))], 3),
+                                     "max": round(max(waits), 3)},
             "capture_ms_median": round(statistics.median(c for r in sim for c in r.pusher.capture_s[1:]) * 1000, 1),
             "push_ms_median": round(statistics.median(p for r in sim for p in r.pusher.push_s[1:]) * 1000, 1),
             "push_failures": failures, "agent_cap_mib": cap_mib,
@@ -206,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shard-mib", default="16,47,512", help="shard sizes per rank, MiB, comma-separated")
     parser.add_argument("--ranks-per-node", type=int, default=8)
     parser.add_argument("--steps", type=int, default=8, help="steps per size (the first is warm-up)")
-    parser.add_argument("--compute-ms", default="300,500,6000",
+    parser.add_argument("--compute-ms", default="300,500,3000",
                         help="a step's compute time per size (one value: every size), ms")
     parser.add_argument("--sync-frac", type=float, default=0.5,
                         help="where in the step the sync point is (the deferred copy waited for)")
