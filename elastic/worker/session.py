@@ -423,7 +423,12 @@ class WorkerSession:
 
     def _resume(self, run: Trainable) -> int:
         if self.inproc is not None and self.inproc.joining:
-            return self._restore_snapshots(run, time.monotonic(), start_event=True)
+            try:
+                return self._restore_snapshots(run, time.monotonic(), start_event=True)
+            except Exception as err:  # the spare says why too (its peers only hear that it failed)
+                self.events.emit("trainer.recovery_failed", step=None, error=f"{type(err).__name__}: {err}"[:500],
+                                 snapshot_errors=self.inproc.fetch_errors[-4:])
+                raise
         loaded = self.resume(run.state())
         start = loaded[0] if loaded else 0
         self.emit_start(start, resumed=loaded is not None, **run.resumed(start, loaded[1] if loaded else None))
