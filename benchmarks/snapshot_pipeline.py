@@ -163,6 +163,8 @@ def run_size(shard_mib: int, ranks: int, steps: int, compute_s: float, sync_frac
             "train_thread_wait_ms": {"median": round(statistics.median(waits), 3),
                                      "p90": round(sorted(waits)[int(0.9 * (len(waits) - 1))], 3),
                                      "max": round(max(waits), 3)},
+            "wait_ms_per_step_max": [round(max(r.waits[i] for r in sim) * 1000, 1) for i in range(steps)],
+            "push_window_ms_per_step": [round(w * 1000, 1) for w in _windows(sim, steps)],
             "capture_ms_median": round(statistics.median(c for r in sim for c in r.pusher.capture_s[1:]) * 1000, 1),
             "push_ms_median": round(statistics.median(p for r in sim for p in r.pusher.push_s[1:]) * 1000, 1),
             "push_failures": failures, "agent_cap_mib": cap_mib,
