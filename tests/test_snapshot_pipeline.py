@@ -169,3 +169,35 @@ def test_a_snapshot_in_shared_memory_pickles_as_a_plain_copy():
     assert snap.packed.shared is not None
     back = pickle.loads(pickle.dumps(snap))  # the restore's exchange between ranks pickles snapshots
     assert back.packed.shared is None and torch.equal(back.tree["w"], torch.arange(10.0)) and back.tree["n"] == 3
+
+
+def test_shared_pushes_keep_one_unix_connection_and_survive_the_agent_closing_it():
+    import time
+
+    from elastic.checkpoint.snapshot import SnapshotPusher, SnapshotRing, capture
+    from elastic.common.events import EventLog
+
+    agent = MemStateServer(max_bytes=64 * MIB, io_timeout_s=0.3)
+    client = MemStateClient(agent.addr, agent.token, timeout_s=5, keep_alive=True)
+    pusher = SnapshotPusher(client, "n0", 0, 0, EventLog(None, "test"))
+    ring = SnapshotRing(shared=True)
+    try:
+        for step in (1, 2):
+            pusher.push(capture({"w": torch.full((100,), float(step))}, step, 0, 0, 1, ring=ring))
+            pusher.wait()
+        kept = client._usock
+        assert kept is not None and client._sock is None  # shared pushes: the Unix socket only
+        time.sleep(0.8)  # idle past the agent's I/O timeout: it closed the connection
+        pusher.push(capture({"w": torch.full((100,), 3.0)}, 3, 0, 0, 1, ring=ring))
+        pusher.wait()
+        assert pusher.failures == 0 and client._usock is not kept
+        assert [m.step for m in client.snap_list()] == [2, 3]  # two steps kept
+        bad = MemStateClient(agent.addr, agent.token[:12] + "x" * 20, timeout_s=5, keep_alive=True)
+        from elastic.checkpoint.memstate import MemStateRejected
+        snap = capture({"w": torch.zeros(4)}, 4, 0, 0, 1, ring=ring)
+        with pytest.raises(MemStateRejected, match="bad token"):  # the same socket, the wrong token
+            bad.snap_put_shared(client.snap_list()[0], snap.packed.shared, 16, b"", b"")
+        bad.close()
+    finally:
+        client.close()
+        agent.close()
