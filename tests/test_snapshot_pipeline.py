@@ -201,3 +201,17 @@ def test_shared_pushes_keep_one_unix_connection_and_survive_the_agent_closing_it
     finally:
         client.close()
         agent.close()
+
+
+def test_an_unreachable_store_leaves_the_cap_unchecked_with_an_event(monkeypatch):
+    from elastic.common.events import EventLog
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    server = MemStateServer(max_bytes=MIB)
+    addr, token = server.addr, server.token
+    server.close()
+    inproc = _inprocess(MemStateClient(addr, token, timeout_s=1))
+    emitted = []
+    inproc.events = types.SimpleNamespace(emit=lambda kind, **fields: emitted.append(kind))
+    inproc.check_fit({"w": torch.zeros(MIB)})  # no refusal: the pushes will report the store
+    assert emitted == ["snapshot.fit_unchecked"] and inproc.fit_bytes == 0
