@@ -33,6 +33,13 @@ def test_the_built_in_trainers_reach_the_worker_only_through_the_api(name):
     assert private == set(), f"trainer/{name} imports {private}; use elastic.api"
 
 
+def test_the_byo_example_uses_the_api_and_the_torch_free_registration_modules_only():
+    byo = REPO / "examples" / "byo" / "elastic_byo"
+    assert _elastic_imports(byo / "train.py") == {"elastic.api", "elastic_byo.config"}
+    registration = _elastic_imports(byo / "workload.py") | _elastic_imports(byo / "config.py")
+    assert registration == {"elastic.run.workloads", "elastic.common.config", "elastic_byo.config"}
+
+
 def test_every_exported_name_exists():
     assert all(hasattr(api, name) for name in api.__all__)
 

@@ -1,5 +1,7 @@
 """A trainer from another package (examples/byo): installed with pip, found by its entry point, run by
 ``elastic-launch --nodes 4``; a worker SIGKILL recovers in-process, bitwise, at most one step lost.
+A script without the API (examples/byo/plain_train.py) runs under ``launch.entrypoint`` and recovers
+the same kill on the restart path.
 
 The package goes into a directory of this test's own (``pip install --target``) put on the runs'
 PYTHONPATH, not into the venv: an installed ``byo`` would change what every other process of the
@@ -12,8 +14,10 @@ import importlib.util
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -21,7 +25,7 @@ import yaml
 
 from elastic.common.events import read_run_events
 from tests.conftest import REPO_ROOT
-from tests.launch_helpers import start_launcher
+from tests.launch_helpers import start_launcher, write_run_config
 from tests.test_inprocess_e2e import _assert_in_process, _kill_worker, _steps_lost
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -78,3 +82,33 @@ def test_the_installed_byo_workload_recovers_a_worker_kill_in_process_bitwise(tm
     _assert_in_process(events, kill_ts)
     assert _steps_lost(events, kill_ts) <= 1
     assert summary["last_step"] == 60 and summary["final_checksum"] == baseline["final_checksum"]
+
+
+def _wait_progress(path: Path, step: int, proc, timeout: float = 120) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            progress = json.loads(path.read_text())
+        except (FileNotFoundError, json.JSONDecodeError):  # not written yet, or mid-write
+            progress = {"step": -1}
+        if progress["step"] >= step:
+            return progress
+        assert proc.poll() is None, proc.stdout.read()
+        time.sleep(0.1)
+    raise AssertionError(f"{path.name} never reached step {step}")
+
+
+def test_a_script_without_the_api_runs_under_launch_entrypoint_on_the_restart_path(tmp_path, subprocess_env):
+    config = write_run_config(tmp_path, steps=30, run_id="plain", launch={"entrypoint": [str(EXAMPLE / "plain_train.py")]})
+    run_dir = tmp_path / "run"
+    proc = start_launcher(config, subprocess_env)
+    victim = _wait_progress(run_dir / "plain-rank1.json", 8, proc)
+    kill_ts = time.time()
+    os.kill(victim["pid"], signal.SIGKILL)
+    out, _ = proc.communicate(timeout=200)
+    assert proc.returncode == 0, out
+    events = read_run_events(run_dir)
+    assert any(e["kind"] == "agent.epoch_bump" and e["ts"] > kill_ts for e in events)  # every worker restarted
+    assert not any(e["kind"] == "trainer.recovered" for e in events)  # no in-process path without the API
+    final = json.loads((run_dir / "plain-rank0.json").read_text())
+    assert final["step"] == 30 and final["start"] >= 8  # resumed from its own checkpoint
