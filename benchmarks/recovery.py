@@ -1,6 +1,13 @@
 """Recovery after a fault, several ways side by side in one run: same trainer, same fault, same host.
 
     python benchmarks/recovery.py --nodes 4 --trainer dit --fault kill_worker --json out.json
+    python benchmarks/recovery.py --nodes 4 --workload byo --only torchrun_c10d --only inprocess
+
+``--workload NAME`` measures any registered workload (an entry point in ``elastic.workloads``, e.g.
+the ``byo`` example of ``examples/byo`` once installed; put its install directory on PYTHONPATH if it
+is not in the venv): ``mlp`` and ``dit`` are ``--trainer``'s; another one runs with its config
+class's defaults under the sections of ``examples/mlp-tiny.yaml`` and needs ``steps`` and
+``step_sleep`` fields (set from the flags), and the baseline runs its ``entry`` module.
 
 Modes (each runs once fault-free, for its reference checksum, and once with the fault):
   torchrun_c10d  plain ``torchrun --rdzv-backend=c10d --max-restarts=3`` per simulated node (the
@@ -57,13 +64,17 @@ import tempfile
 import time
 from pathlib import Path
 
+import yaml
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 from recovery_torchrun import env, make_config, run_c10d_nodes, wait_step  # noqa: E402
 
+from elastic.common.config import ConfigError  # noqa: E402
 from elastic.common.events import read_run_events  # noqa: E402
+from elastic.run import workloads  # noqa: E402
 from elastic.common.procs import descendants  # noqa: E402
 from elastic.worker.faultwatch import PEER_FAILURE_ENV  # noqa: E402
 from elastic.worker.inprocess import ab_snapshot_step  # noqa: E402
@@ -130,7 +141,7 @@ FAULTS = {"kill_worker": kill_worker, "kill_node": kill_node}
 # -- runs -----------------------------------------------------------------------------------------
 def overrides(args, mode: str) -> dict:
     extra: dict = {} if args.preflight else dict(NO_PREFLIGHT)
-    if args.trainer == "dit":
+    if args.workload == "dit":
         extra.update({"launch.workload": "dit", "trainer.global_batch_size": 12})
     if args.fault == "kill_node":
         extra["launch.nodes"] = f"{args.nodes - 1}:{args.nodes}"
@@ -145,7 +156,8 @@ def run_mode(args, work: Path, mode: str, faulty: bool, extra: dict | None = Non
     args.mode = mode
     name = f"{mode}-{'fault' if faulty else 'clean'}{tag}"
     run_dir = work / name
-    config = make_config(args, run_dir, f"bench-{name}", {**overrides(args, mode), **(extra or {})}, trainer=args.trainer)
+    config = make_config(args, run_dir, f"bench-{name}", {**overrides(args, mode), **(extra or {})}, trainer=args.trainer,
+                         base=workload_base(args.workload, work))
     source = "trainer/node1/rank0" if mode == "replicas" else "trainer/rank1"
     fault = FAULTS[args.fault] if faulty else None
     started = time.time()
@@ -153,7 +165,7 @@ def run_mode(args, work: Path, mode: str, faulty: bool, extra: dict | None = Non
         nnodes = f"{args.nodes - 1}:{args.nodes}" if args.fault == "kill_node" else str(args.nodes)
         kill_ts, rc = run_c10d_nodes(args, f"bench-{name}", config, run_dir, work / f"{name}.log",
                                      lambda procs: fault(run_dir, args, procs, source, procs) if fault else None,
-                                     entry=ENTRY[args.trainer], nnodes=nnodes)
+                                     entry=workload_entry(args.workload), nnodes=nnodes)
     else:
         kill_ts, rc = run_launcher(config, work / f"{name}.log", run_dir, args, fault, source)
     out = measure(read_run_events(run_dir), kill_ts, started, time.time(), args.nodes) if faulty else \
@@ -165,6 +177,23 @@ def run_mode(args, work: Path, mode: str, faulty: bool, extra: dict | None = Non
         # (~1 s of a DiT worker loss at step 40 here): say which case this run measured.
         out["breakdown"]["spare_warm_at_fault"] = assigned_spare_warm(run_dir, kill_ts)
     return out
+
+
+def workload_base(name: str, work: Path) -> Path | None:
+    """The base config of a workload other than mlp and dit: the sections of ``examples/mlp-tiny.yaml``
+    with ``launch.workload`` set and the workload's own trainer defaults (None: mlp and dit keep theirs)."""
+    if name in ENTRY:
+        return None
+    data = yaml.safe_load((REPO / "examples" / "mlp-tiny.yaml").read_text())
+    data["launch"]["workload"], data["trainer"] = name, {}
+    path = work / f"base-{name}.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def workload_entry(name: str) -> str:
+    """The module plain torchrun runs for the baseline."""
+    return ENTRY.get(name) or workloads.get(name).entry
 
 
 def run_launcher(config: Path, log_path: Path, run_dir: Path, args, fault, source: str) -> tuple[float | None, int]:
@@ -385,6 +414,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--nodes", type=int, default=4)
     p.add_argument("--trainer", choices=sorted(ENTRY), default="mlp")
+    p.add_argument("--workload", help="any registered workload by name (mlp, dit, byo, ...); default: --trainer's")
     p.add_argument("--fault", choices=sorted(FAULTS), default="kill_worker")
     p.add_argument("--steps", type=int, default=0, help="default: 300 (mlp), 120 (dit)")
     p.add_argument("--interval", type=int, default=10, help="disk checkpoint interval")
@@ -409,9 +439,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="also: pairs of separate fault-free runs with snapshots off / on")
     p.add_argument("--json", dest="json_path", help="also write the JSON object to this file")
     args = p.parse_args(argv)
-    args.steps = args.steps or (300 if args.trainer == "mlp" else 120)
-    args.kill_at = args.kill_at or (100 if args.trainer == "mlp" else 40)
-    args.snapshot_ab_steps = args.snapshot_ab_steps or (400 if args.trainer == "mlp" else 300)
+    args.workload = args.workload or args.trainer
+    if args.workload in ENTRY:
+        args.trainer = args.workload
+    else:
+        try:
+            workloads.get(args.workload)
+        except ConfigError as exc:  # an unknown name: the list of registered ones
+            p.error(str(exc))
+    mlp = args.workload == "mlp"  # another workload is timed as the DiT is
+    args.steps = args.steps or (300 if mlp else 120)
+    args.kill_at = args.kill_at or (100 if mlp else 40)
+    args.snapshot_ab_steps = args.snapshot_ab_steps or (400 if mlp else 300)
     return args
 
 
@@ -435,7 +474,8 @@ def main(argv: list[str] | None = None) -> int:
         overhead = snapshot_overhead(args, work) if measured else None
     report = {
         "benchmark": "recovery",
-        "setup": {"nodes": args.nodes, "nproc_per_node": 1, "trainer": args.trainer, "fault": args.fault,
+        "setup": {"nodes": args.nodes, "nproc_per_node": 1, "trainer": args.workload, "workload": args.workload,
+                  "fault": args.fault,
                   "steps": args.steps, "ckpt_interval": args.interval, "kill_at_step": args.kill_at,
                   "step_sleep_s": args.step_sleep, "backend": "gloo/cpu", "cpus": os.cpu_count(),
                   "preflight_screens": args.preflight, "peer_failure": args.peer_failure,

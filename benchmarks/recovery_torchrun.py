@@ -42,9 +42,11 @@ from elastic.common.config import override  # noqa: E402
 T = TypeVar("T")
 
 
-def make_config(args, run_dir: Path, run_id: str, extra: dict | None = None, trainer: str = "mlp") -> Path:
-    """The benchmark's run config; ``extra`` adds dotted overrides (e.g. replica-group mode)."""
-    cfg = load_run_file(REPO / "examples" / ("tiny.yaml" if trainer == "dit" else "mlp-tiny.yaml"))
+def make_config(args, run_dir: Path, run_id: str, extra: dict | None = None, trainer: str = "mlp",
+                base: Path | None = None) -> Path:
+    """The benchmark's run config; ``extra`` adds dotted overrides (e.g. replica-group mode); ``base``
+    replaces the trainer's example file (another workload's)."""
+    cfg = load_run_file(base or REPO / "examples" / ("tiny.yaml" if trainer == "dit" else "mlp-tiny.yaml"))
     for key, value in {
         "run.id": run_id, "run.dir": str(run_dir), "launch.nodes": str(args.nodes),
         "trainer.steps": args.steps, "trainer.step_sleep": args.step_sleep,
@@ -59,7 +61,8 @@ def make_config(args, run_dir: Path, run_id: str, extra: dict | None = None, tra
 
 def env() -> dict[str, str]:
     e = dict(os.environ)
-    e["PYTHONPATH"] = str(REPO)
+    # This checkout first; what the caller had after it (where a workload of another package is installed).
+    e["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     e["OMP_NUM_THREADS"] = "1"
     e["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     return e

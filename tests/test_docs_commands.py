@@ -35,6 +35,12 @@ COVERED = {
     # docs/cluster.md: the same batch script under real Slurm daemons on this host (3 nodes, tiny DiT config).
     "sbatch examples/slurm/dit-64node.sbatch":
         "tests/test_slurm.py::test_sbatch_screens_cancels_and_resumes_under_real_slurm",
+    # docs/workloads.md, the BYO example: pip-installed into a directory of the test's own on the runs'
+    # PYTHONPATH (not the venv), its example config shortened to 60 steps, run with --nodes 4.
+    "pip install -e examples/byo":
+        "tests/test_byo_e2e.py::test_the_installed_byo_workload_recovers_a_worker_kill_in_process_bitwise",
+    "elastic-launch --nodes 4 examples/byo/byo.yaml":
+        "tests/test_byo_e2e.py::test_the_installed_byo_workload_recovers_a_worker_kill_in_process_bitwise",
     # docs/operations.md: the refusal and the line it prints, compared below.
     "elastic-launch --set trainer.stepz=3 examples/mlp-tiny.yaml":
         "tests/test_docs_commands.py::test_the_documented_config_error_is_what_the_launcher_prints",

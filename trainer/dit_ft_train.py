@@ -43,8 +43,7 @@ from typing import Any
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from elastic.run.schema import dump_run_file
-from elastic.worker.session import WorkerSession, run_worker
+from elastic.api import WorkerSession, dump_run_file, run_worker
 from trainer.data import GlobalSampler
 from trainer.dit_config import DiTTrainerConfig
 from trainer.dit_train import RESOLVED_CONFIG_NAME, DiTRun

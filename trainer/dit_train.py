@@ -32,10 +32,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from elastic.checkpoint.statedict import SnapshotStateDict
-from elastic.common.config import ConfigError
-from elastic.run.schema import dump_run_file
-from elastic.worker.session import NumericsRollback, WorkerSession, exit_process, run_worker
+from elastic.api import (ConfigError, NumericsRollback, SnapshotStateDict, WorkerSession, dump_run_file,
+                         exit_process, run_worker)
 from trainer.data import GlobalSampler, build_dataset, collate
 from trainer.dit import DiT, build_dit
 from trainer.dit_config import DiTTrainerConfig

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from elastic.worker.session import WorkerSession, run_worker
+from elastic.api import WorkerSession, run_worker
 from trainer.minimal_config import MLPTrainerConfig
 from trainer.replica import (
     RunFinished,

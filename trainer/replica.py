@@ -28,7 +28,7 @@ from elastic.common.env import ETCD_ENDPOINT_ENV, RUN_PREFIX_ENV
 from elastic.control.keys import RunKeys
 from elastic.control.store import EtcdStore, StoreError
 from elastic.replicas.config import ReplicaConfig
-from elastic.worker.session import exit_process
+from elastic.api import exit_process
 from trainer.collectives import broadcast_flag
 
 _STARTED = time.monotonic()

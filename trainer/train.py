@@ -26,8 +26,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.fsdp import fully_shard
 
-from elastic.checkpoint.statedict import SnapshotStateDict
-from elastic.worker.session import NumericsRollback, WorkerSession, exit_process, run_worker
+from elastic.api import NumericsRollback, SnapshotStateDict, WorkerSession, exit_process, run_worker
 from trainer.collectives import all_finite
 from trainer.minimal_config import MLPTrainerConfig
 
