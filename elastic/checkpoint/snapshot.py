@@ -51,6 +51,7 @@ from elastic.checkpoint.memory import (
 from elastic.checkpoint import shm
 from elastic.checkpoint.checksum import ALGORITHM, digest_chunks
 from elastic.checkpoint.memstate import MemStateError, SnapMeta
+from elastic.checkpoint.statedict import sizing
 from elastic.common.events import EventLog
 
 SHARD = "__shard__"
@@ -267,9 +268,11 @@ def capture(state: Mapping[str, Any], step: int, gen: int, rank: int, world: int
 
 
 def snapshot_nbytes(state: Mapping[str, Any]) -> int:
-    """The bytes of this rank's snapshot of ``state`` as it is now (its packed tensors), without a copy."""
+    """The bytes of this rank's snapshot of ``state`` as it is now (its packed tensors), without a copy
+    (a fresh optimizer's state, not created yet, counts nothing: :func:`~elastic.checkpoint.statedict.sizing`)."""
     sources: list[torch.Tensor] = []
-    _skeleton(snapshot_state_dicts(state), sources)
+    with sizing():
+        _skeleton(snapshot_state_dicts(state), sources)
     return data_table([torch.empty(t.shape, dtype=t.dtype, device="meta") for t in sources])[1]
 
 
