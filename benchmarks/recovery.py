@@ -546,5 +546,20 @@ def _flag(argv: list[str], flag: str) -> str | None:
     return vars(pre.parse_known_args(argv)[0])[flag.lstrip("-").replace("-", "_")]
 
 
+def ratios(results: dict[str, dict]) -> dict:
+    out: dict = {}
+    a, i, r = results.get("torchrun_c10d"), results.get("inprocess"), results.get("runtime_ckpt")
+    if a and i and a.get("recovery_s") and i.get("recovery_s"):
+        out["ratio_inprocess_vs_torchrun_c10d"] = round(i["recovery_s"] / a["recovery_s"], 3)
+    replicas = results.get("replicas")
+    if a and replicas and a.get("recovery_s") and replicas.get("recovery_s"):
+        out["ratio_replicas_vs_torchrun_c10d"] = round(replicas["recovery_s"] / a["recovery_s"], 3)
+    if i and r and r["fault_free"]["median_interval_s"]:
+        # The whole default path's cost in steady state (snapshots, agent supervision) over in-process off.
+        out["inprocess_vs_runtime_ckpt_step_ratio"] = round(
+            i["fault_free"]["median_interval_s"] / r["fault_free"]["median_interval_s"], 3)
+    return out
+
+
 if __name__ == "__main__":
     sys.exit(main())
