@@ -44,6 +44,7 @@ import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from elastic.api import WorkerSession, dump_run_file, run_worker
+from trainer.agreement import AgreementCheck, CheckOutcome
 from trainer.data import GlobalSampler
 from trainer.dit_config import DiTTrainerConfig
 from trainer.dit_train import RESOLVED_CONFIG_NAME, DiTRun
@@ -90,6 +91,7 @@ class ReplicaDiTRun(DiTRun):
         self.manager: Any = None
         self.finished = RunFinished()
         self.sync_s = 0.0
+        self.agreement = AgreementCheck(session.cfg.sdc, session, self.replica_id)
 
     def state(self) -> dict[str, Any]:
         return {"app": self.train_state, "ft": self.ft_step}
@@ -128,12 +130,30 @@ class ReplicaDiTRun(DiTRun):
         batch = self.sampler.next_global_batch()
         group = manager.participating_rank()
         indices, weight, bounds = GlobalSampler.group_slice(batch, group, groups, self.dp_rank, self.dp)
-        verdict, loss, norm = self.judge(step, indices, weight)
+        check = self.check_agreement()
+        if check is not None and check.abandon:
+            verdict, loss, norm = Verdict("skip", check.reason()), float("nan"), float("nan")  # not committed: undone
+        else:
+            verdict, loss, norm = self.judge(step, indices, weight)
         committed = self.vote(step, verdict, undo)
+        AgreementCheck.heal(self.manager, check)
         self.record(step, committed, verdict, loss, norm, bounds, batch, group)
         if committed and group == 0:
             self.save(step)
         return True
+
+    def check_agreement(self) -> CheckOutcome | None:
+        """The cross-replica check of the last committed step's weights, when due (``sdc.check_every``);
+        before this step's gradients are shared, so a bad group's weights never reach the others."""
+        committed = self.manager.current_step()
+        if not self.agreement.due(committed, self.manager.num_participants()):
+            return None
+        t0 = time.monotonic()
+        outcome = self.agreement.run(self.manager, self.model, committed)
+        self.session.waited(time.monotonic() - t0)
+        if outcome is None:
+            release_peers(self.manager)  # a peer was lost in the check: as after a failed allreduce
+        return outcome
 
     def judge(self, step: int, indices: list[int], weight: float) -> tuple[Verdict, float, float]:
         """Forward/backward and the guard's verdict on the averaged loss and grad norm."""
