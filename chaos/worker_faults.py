@@ -90,8 +90,9 @@ class SdcParams:
 
 @register("sdc")
 class SilentCorruption(Injector):
-    """Silent data corruption: one bit of one rank's gradient shard flipped after backward (``sdc`` fault
-    file, fires once, emits no event; what it flipped is written into its ``.fired`` file)."""
+    """One bit of one rank's gradient shard flipped after backward, silently (silent data corruption).
+
+    An ``sdc`` fault file: fires once, emits no event; what it flipped goes into its ``.fired`` file."""
 
     Params = SdcParams
     needs_run = False
