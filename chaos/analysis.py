@@ -12,7 +12,7 @@ Per fault (one ``chaos.inject`` event):
   the step the next worker resumed from (0 if no worker restarted);
 * ``detection_s``: fault -> first detection event (an agent FAILED state,
   ``agent.hang_detected``, ``agent.rollback``, ``checkpoint.save_failed``,
-  ``agent.spare_failed`` for a dead spare);
+  ``agent.spare_failed`` for a dead spare, ``sdc.suspect`` for a flipped bit);
 * ``recovery_s``: fault -> first ``trainer.step`` of a worker started after
   the fault (None where the fault needs no restart).  A fault that does not
   restart workers by itself (a straggler, a spare kill, an etcd fault) owns
@@ -39,7 +39,7 @@ from elastic.common.procs import alive
 from elastic.worker.faults import fired_records
 
 DETECTION_KINDS = ("agent.hang_detected", "agent.rollback", "checkpoint.save_failed", "leader.node_lost",
-                   "agent.spare_failed")
+                   "agent.spare_failed", "sdc.suspect")
 
 
 @dataclass

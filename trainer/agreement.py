@@ -1,24 +1,23 @@
 """Cross-replica agreement in the DiT replica trainer (``sdc.check_every``): find the group that computed wrong.
 
-Every ``check_every`` committed steps, at the start of the next step attempt (after its quorum,
-before any gradient of that step is shared), each rank computes a CRC32 of its parameter shard
-(:func:`~elastic.sdc.agreement.shard_checksum`) and the groups compare them:
+Every ``check_every`` steps, right after the step commits (after the optimizer step, before the step
+is saved and before any gradient of the next step is shared), each rank computes a CRC32 of its
+parameter shard (:func:`~elastic.sdc.agreement.shard_checksum`) and the groups compare them:
 
 1. **Across the groups**, through torchft: one ``manager.allreduce`` (SUM) of an int64 tensor with
    one slot per group of the quorum, each group filling its own slot.  8 bytes per group travel, over
-   the process group that already joins rank ``r`` of every group, and exactly the groups that train
+   the process group that already joins rank ``r`` of every group, and exactly the groups that trained
    this step are compared.  Not etcd: that would put etcd writes and a wait for every group's key on
    the step path, and an etcd outage would stop the checks while training goes on.
 2. **Inside the group**: one all-reduce on the group's own process group, so every rank holds the
    whole matrix (group x rank) and every rank of every group reaches the same verdict
    (:func:`~elastic.sdc.agreement.judge`) with no further vote.
 
-On a verdict naming suspects, every group abandons the attempt (``report_error``: the vote fails and
-the attempt is undone, so no gradient computed from the bad weights is averaged into anyone's).  A
-suspect group emits ``sdc.suspect``, records a counted failure of its node (the leader's lemon-node
-policy), and sets its torchft step back by one: at the next quorum it is behind its peers and heals
-from a live one, the same healing a restarted group gets, without a restart.  The attempt is then
-retried by every group on the healed weights, so the run stays on its fault-free trajectory.
+A suspect group emits ``sdc.suspect``, records a counted failure of its node (the leader's lemon-node
+policy), does not save the step (when it is the writer), and sets its torchft step back by one: at the
+next quorum it is behind its peers and heals from a live one, the same healing a restarted group gets,
+without a restart.  The others go on at once; the next step trains on equal weights, so the run stays
+on its fault-free trajectory.  The last step is not checked: no quorum follows it to heal in.
 
 With no strict majority (two groups, a tie) nobody can be named: ``sdc.no_majority`` says so, with
 every group's checksums, and training goes on (report only; the last step the groups agreed on is in
@@ -45,10 +44,6 @@ FAILURE_KIND = "sdc"
 """The kind of the counted failure a suspect group records for its node (lemon-node policy input)."""
 
 
-class SilentCorruption(RuntimeError):
-    """Reported to torchft by every group when a check names a suspect: the attempt must not commit."""
-
-
 @dataclass
 class CheckOutcome:
     """One check's verdict as this group acts on it."""
@@ -59,16 +54,8 @@ class CheckOutcome:
     """This group's quorum rank."""
 
     @property
-    def abandon(self) -> bool:
-        """Suspects were named: no group may commit this attempt."""
-        return bool(self.agreement.suspects)
-
-    @property
     def suspect(self) -> bool:
         return self.own in self.agreement.suspects
-
-    def reason(self) -> str:
-        return f"sdc check of step {self.step}: groups {sorted(self.agreement.suspects)} of the quorum disagree"
 
 
 class AgreementCheck:
@@ -80,24 +67,28 @@ class AgreementCheck:
         self.replica_id = replica_id
         self.last_agreed = 0
 
-    def due(self, committed: int, participants: int) -> bool:
-        """A check of the weights after ``committed`` runs in the attempt of the step after it."""
-        return self.cfg.agreement and committed > 0 and committed % self.cfg.check_every == 0 and participants > 1
+    def due(self, step: int, last_step: int, participants: int) -> bool:
+        """Whether the weights just committed at ``step`` are compared (never the last step's: no quorum
+        follows to heal in; nor a lone group's: nothing to compare with)."""
+        return (self.cfg.agreement and step % self.cfg.check_every == 0 and 0 < step < last_step
+                and participants > 1)
 
     def run(self, manager: Any, model: torch.nn.Module, committed: int) -> CheckOutcome | None:
         """The verdict on the weights after step ``committed``; None when a peer was lost during the check."""
         own, groups = manager.participating_rank(), manager.num_participants()
+        if own is None:
+            return None  # not a participant of this quorum (torchft's spare mode): nothing of ours to compare
         crc = shard_checksum(model.parameters())
         row = torch.zeros(groups, dtype=torch.int64)
         row[own] = crc
         manager.allreduce(row, reduce_op=dist.ReduceOp.SUM).wait()
         if manager.errored():
-            return None  # the attempt fails its vote anyway; the retry checks again
+            self.session.events.emit("sdc.check_lost", step=committed, replica_group=self.replica_id,
+                                     error=str(manager.errored().original_exception))
+            return None  # a peer was lost: these weights stay unverified until the next check
         matrix = self._group_matrix(row)
         outcome = CheckOutcome(committed, judge(matrix.tolist()), own)
         self._report(outcome)
-        if outcome.abandon:
-            manager.report_error(SilentCorruption(outcome.reason()))
         return outcome
 
     def _group_matrix(self, row: torch.Tensor) -> torch.Tensor:
@@ -138,7 +129,7 @@ class AgreementCheck:
 
     @staticmethod
     def heal(manager: Any, outcome: CheckOutcome | None) -> None:
-        """After the (failed) vote: a suspect group steps its torchft step back, so the next quorum heals it."""
+        """A suspect group steps its torchft step back by one, so the next quorum heals it from a peer."""
         if outcome is None or not outcome.suspect:
             return
         manager.load_state_dict({"step": manager.current_step() - 1,
