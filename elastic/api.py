@@ -27,7 +27,9 @@ The shape of a trainer (``docs/workloads.md`` walks through one)::
             loss = session.loss(step, ...)  # the loss (NaN where a nan_loss fault says so)
             nan_guard(session, step, loss)  # non-finite on any rank: every rank rolls back
             session.commit_point()          # before the step's last collectives
-            ...                             # backward, optimizer step
+            ...                             # backward
+            silent_fault(session, step, self.model)  # an sdc chaos fault flips a gradient bit here
+            ...                             # optimizer step
             self.train_state.step = step
             session.end_step(step, float(loss))
 
