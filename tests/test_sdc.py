@@ -259,3 +259,53 @@ def test_the_sdc_invariant_wants_the_flipped_node_named(tmp_path):
     assert not _sdc_caught(tmp_path, [suspect("node1", 18)], inject).ok  # named before it happened
     tie = _sdc_caught(tmp_path, [{"kind": "sdc.no_majority", "ts": 51.0, "source": "x"}], inject)
     assert not tie.ok and "no strict majority" in tie.detail
+
+
+def _group(tmp_path, node: str, check_every: int = 2):
+    from types import SimpleNamespace
+
+    from elastic.sdc.config import SdcConfig
+    from trainer.agreement import AgreementCheck
+
+    session = SimpleNamespace(rank=0, world=1, epoch=0,
+                              events=EventLog(tmp_path / "events" / f"trainer-{node}.jsonl", f"trainer/{node}/rank0"))
+    return AgreementCheck(SdcConfig(check_every=check_every), session, node)
+
+
+def test_checks_are_due_on_their_steps_but_never_the_last_nor_alone(tmp_path):
+    check = _group(tmp_path, "node0", check_every=5)
+    assert [s for s in range(0, 31) if check.due(s, 30, 3)] == [5, 10, 15, 20, 25]
+    assert not check.due(10, 30, 1)  # a lone group has nobody to compare with
+    assert not _group(tmp_path, "node0", check_every=0).due(10, 30, 3)
+
+
+def test_the_suspect_group_names_itself_with_both_checksums(tmp_path, monkeypatch):
+    from elastic.sdc.agreement import judge
+    from trainer.agreement import CheckOutcome
+
+    monkeypatch.delenv("ELASTIC_ETCD_ENDPOINT", raising=False)  # no etcd here: the lemon record is skipped
+    verdict = judge([[11, 22], [11, 99], [11, 22]])
+    for node, own in (("node0", 0), ("node1", 1), ("node2", 2)):
+        _group(tmp_path, node)._report(CheckOutcome(6, verdict, own))
+    events = read_run_events(tmp_path)
+    checked = [e for e in events if e["kind"] == "sdc.checked"]
+    assert len(checked) == 3 and all(not e["agree"] and e["suspects"] == [1] for e in checked)
+    [suspect] = [e for e in events if e["kind"] == "sdc.suspect"]
+    assert suspect["source"] == "trainer/node1/rank0"
+    assert (suspect["node"], suspect["rank"], suspect["step"]) == ("node1", 1, 6)
+    assert (suspect["checksum"], suspect["majority"]) == (99, 22)
+    assert CheckOutcome(6, verdict, 1).suspect and not CheckOutcome(6, verdict, 0).suspect
+
+
+def test_two_groups_that_disagree_say_there_is_no_majority(tmp_path):
+    from elastic.sdc.agreement import judge
+    from trainer.agreement import CheckOutcome
+
+    check = _group(tmp_path, "node0")
+    check._report(CheckOutcome(4, judge([[5], [5]]), 0))
+    check._report(CheckOutcome(6, judge([[5], [7]]), 0))
+    events = read_run_events(tmp_path)
+    [tie] = [e for e in events if e["kind"] == "sdc.no_majority"]
+    assert tie["step"] == 6 and tie["checksums"] == [[5], [7]] and tie["last_agreed_step"] == 4
+    assert tie["action"].startswith("report only")
+    assert not [e for e in events if e["kind"] == "sdc.suspect"]
