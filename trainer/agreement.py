@@ -33,7 +33,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from elastic.api import WorkerSession
 from elastic.common.env import ETCD_ENDPOINT_ENV, RUN_PREFIX_ENV
+from elastic.common.events import EventLog
 from elastic.control.keys import RunKeys
 from elastic.control.runstate import RunState
 from elastic.control.store import EtcdStore, StoreError
@@ -61,7 +63,7 @@ class CheckOutcome:
 class AgreementCheck:
     """The check of one replica group (built once per worker; the manager is the group's torchft Manager)."""
 
-    def __init__(self, cfg: SdcConfig, session: Any, replica_id: str) -> None:
+    def __init__(self, cfg: SdcConfig, session: WorkerSession, replica_id: str) -> None:
         self.cfg = cfg
         self.session = session
         self.replica_id = replica_id
@@ -136,7 +138,7 @@ class AgreementCheck:
                                  "batches_committed": manager.batches_committed()})
 
 
-def record_failure(node: str, epoch: int, events: Any) -> None:
+def record_failure(node: str, epoch: int, events: EventLog) -> None:
     """A counted failure of ``node`` in etcd: repeated suspects make it a lemon (``agent.leader``)."""
     endpoint, prefix = os.environ.get(ETCD_ENDPOINT_ENV), os.environ.get(RUN_PREFIX_ENV)
     if not endpoint or not prefix:
