@@ -250,7 +250,7 @@ class SimNode:
         before = node_name((self.index - 1) % self.args.total)
         nodes = [(self.node_id, self.index), (before, (self.index - 1) % self.args.total)]
         return [SnapMeta(node=node, slot=local, rank=i * self.rpn + local, world_size=self.args.total * self.rpn,
-                         epoch=0, gen=0, step=step, sha256="", nbytes=0)
+                         epoch=0, gen=0, step=step, checksum="", nbytes=0)
                 for node, i in nodes for local in range(self.rpn) for step in (STEP - 1, STEP)]
 
     def after_round(self) -> None:

@@ -21,7 +21,14 @@ Prints one JSON object (and writes it to ``--json PATH``).  On one H100/H200 it 
   own backend (``cuda:nccl`` on a GPU), and a memory-cache push of device tensors;
 * ``kill_resume``: the DiT trainer killed mid-run (fault ``exit``) and resumed, against an
   uninterrupted run, with and without ``--deterministic`` (equality is required with it);
-* ``diag_burnin``: ``diag burnin --quick --json -``, raw readings included.
+* ``diag_burnin``: ``diag burnin --quick --json -``, raw readings included;
+* the recovery path's GPU side [GPU] (``benchmarks/gpu_recovery_checks.py``, issue 28):
+  ``snapshot_copy`` (16 MB / 47 MB / 1.9 GB shards beside a matmul loop, today's copy vs pinned +
+  side stream), ``nccl_abort`` (a one-rank group with queued work aborted, memory after five
+  re-inits), ``fsdp_rebuild`` (a one-GPU FSDP2 DiT rebuilt and restored from its snapshot: peak
+  memory with the failed step's references alive vs released, 3 steps after the restore bitwise
+  those without the fault), ``spare_cost`` (a warm spare's assignment to its first step).  With
+  them the whole script is meant to stay under 8 minutes on one H200 (not yet timed on one).
 
 ``ok`` is true when every section that ran met its criterion (the burn-in verdict is reported,
 not judged: a shared CI host is not a healthy GPU node).
@@ -369,11 +376,15 @@ def run(steps: int) -> dict[str, Any]:
         else:
             result["skipped"].update(scaled_mm=no_gpu, linear_timing=no_gpu)
         _section(result, "dit_step", dit_step, device, steps)
+        from benchmarks.gpu_recovery_checks import run_all
+
+        run_all(device, result, _section)  # last in the group's life: it leaves determinism on
     finally:
         dist.destroy_process_group()
     _section(result, "kill_resume", kill_resume, device, 8 if device.type == "cpu" else 12)
     _section(result, "diag_burnin", diag_burnin)
-    judged = [result[k].get("ok", True) for k in ("collectives", "scaled_mm", "dit_step", "kill_resume") if k in result]
+    judged = [result[k].get("ok", True) for k in ("collectives", "scaled_mm", "dit_step", "kill_resume", "snapshot_copy",
+                                                  "nccl_abort", "fsdp_rebuild", "spare_cost") if k in result]
     result["ok"] = (result["t_dtype_at_embedding"] == "float32" and result["t_exact"]
                     and all(v < FP8_REL_ERR_BOUND for v in result["fp8_max_rel_err"].values()) and all(judged))
     return result

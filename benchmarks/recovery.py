@@ -2,12 +2,16 @@
 
     python benchmarks/recovery.py --nodes 4 --trainer dit --fault kill_worker --json out.json
     python benchmarks/recovery.py --nodes 4 --workload byo --only torchrun_c10d --only inprocess
+    python benchmarks/recovery.py --nodes 4 --workload dit,byo --only torchrun_c10d --only inprocess
 
 ``--workload NAME`` measures any registered workload (an entry point in ``elastic.workloads``, e.g.
 the ``byo`` example of ``examples/byo`` once installed; put its install directory on PYTHONPATH if it
 is not in the venv): ``mlp`` and ``dit`` are ``--trainer``'s; another one runs with its config
 class's defaults under the sections of ``examples/mlp-tiny.yaml`` and needs ``steps`` and
-``step_sleep`` fields (set from the flags), and the baseline runs its ``entry`` module.
+``step_sleep`` fields (set from the flags), and the baseline runs its ``entry`` module.  Several
+names (``--workload dit,byo``) measure each in turn in one invocation, on the same flags, and report
+each one's figures under ``workloads`` with ``ratio_vs_first``: every workload's
+``ratio_inprocess_vs_torchrun_c10d`` over the first one's (does a workload get the same fast path?).
 
 Modes (each runs once fault-free, for its reference checksum, and once with the fault):
   torchrun_c10d  plain ``torchrun --rdzv-backend=c10d --max-restarts=3`` per simulated node (the
@@ -54,6 +58,8 @@ the step after every node's warm spare has finished importing (details under ``s
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import os
 import signal
@@ -455,6 +461,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    names = _workload_list(argv)
+    if len(names) > 1:
+        return compare(argv or sys.argv[1:], names)
     args = parse_args(argv)
     if args.peer_failure == "hang":
         os.environ[PEER_FAILURE_ENV] = "hang"  # every launched process inherits it (recovery_torchrun.env)
@@ -487,26 +496,54 @@ def main(argv: list[str] | None = None) -> int:
     if overhead is not None:
         report["snapshot_overhead"] = overhead
         report["snapshot_step_ratio"] = overhead["ratio"]
-    text = json.dumps(report, indent=1)
-    print(text)
-    if args.json_path:
-        Path(args.json_path).write_text(text + "\n")
+    _emit(report, args.json_path)
     return 0
 
 
-def ratios(results: dict[str, dict]) -> dict:
-    out: dict = {}
-    a, i, r = results.get("torchrun_c10d"), results.get("inprocess"), results.get("runtime_ckpt")
-    if a and i and a.get("recovery_s") and i.get("recovery_s"):
-        out["ratio_inprocess_vs_torchrun_c10d"] = round(i["recovery_s"] / a["recovery_s"], 3)
-    replicas = results.get("replicas")
-    if a and replicas and a.get("recovery_s") and replicas.get("recovery_s"):
-        out["ratio_replicas_vs_torchrun_c10d"] = round(replicas["recovery_s"] / a["recovery_s"], 3)
-    if i and r and r["fault_free"]["median_interval_s"]:
-        # The whole default path's cost in steady state (snapshots, agent supervision) over in-process off.
-        out["inprocess_vs_runtime_ckpt_step_ratio"] = round(
-            i["fault_free"]["median_interval_s"] / r["fault_free"]["median_interval_s"], 3)
+def _emit(report: dict, json_path: str | None) -> None:
+    text = json.dumps(report, indent=1)
+    print(text)
+    if json_path:
+        Path(json_path).write_text(text + "\n")
+
+
+def _workload_list(argv: list[str] | None) -> list[str]:
+    """The names of ``--workload a,b``: one (or none) for a plain run."""
+    return [n for n in (_flag(argv if argv is not None else sys.argv[1:], "--workload") or "").split(",") if n]
+
+
+def compare(argv: list[str], names: list[str]) -> int:
+    """Each workload's run of the same flags, one after the other (never two at once: the cores
+    are shared), its report under ``workloads``; ``ratio_vs_first`` compares their recoveries."""
+    load_before = load_avg()
+    rest = _drop(_drop(argv, "--workload"), "--json")
+    reports: dict[str, dict] = {}
+    for name in names:
+        with contextlib.redirect_stdout(io.StringIO()) as out:
+            main([*rest, "--workload", name])
+        reports[name] = json.loads(out.getvalue())
+    first = reports[names[0]].get("ratio_inprocess_vs_torchrun_c10d")
+    ratio_vs_first = {n: round(r["ratio_inprocess_vs_torchrun_c10d"] / first, 3)
+                      for n, r in reports.items() if first and r.get("ratio_inprocess_vs_torchrun_c10d")}
+    _emit({"benchmark": "recovery", "workloads": reports, "ratio_vs_first": ratio_vs_first,
+           "load_avg_1m": {"before": load_before, "after": load_avg()}}, _flag(argv, "--json"))
+    return 0
+
+
+def _drop(argv: list[str], flag: str) -> list[str]:
+    """``argv`` without ``flag`` and its value (``--flag v`` or ``--flag=v``)."""
+    out, skip = [], False
+    for a in argv:
+        if not skip and a != flag and not a.startswith(flag + "="):
+            out.append(a)
+        skip = a == flag
     return out
+
+
+def _flag(argv: list[str], flag: str) -> str | None:
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument(flag, default=None)
+    return vars(pre.parse_known_args(argv)[0])[flag.lstrip("-").replace("-", "_")]
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ def test_gpu_validate_runs_on_cpu_and_writes_the_json(tmp_path):
     assert result["t_dtype_at_embedding"] == "float32" and result["t_exact"] is True
     assert set(result["fp8_max_rel_err"]) == {"tensorwise", "rowwise"}
     assert all(0 < err < 0.08 for err in result["fp8_max_rel_err"].values())
-    for section in ("scaled_mm", "linear_timing"):
+    for section in ("scaled_mm", "linear_timing", "snapshot_copy", "nccl_abort", "fsdp_rebuild", "spare_cost"):
         assert "CUDA" in result["skipped"][section] and section not in result
     assert result["collectives"]["backend"] == "cpu:gloo" and result["collectives"]["ok"]
     assert result["dit_step"]["ok"] and set(result["dit_step"]["loss_rel_diff"]) == {"tensorwise", "rowwise"}

@@ -156,3 +156,17 @@ def test_two_adjacent_nodes_lost_fall_back_to_the_disk_checkpoint(tmp_path, subp
     loaded = [e for e in events if e["kind"] == "checkpoint.loaded" and e["ts"] > kill_ts]
     assert loaded and all(e["loaded_from"] == "disk" and e["world_size"] == 2 for e in loaded)
     assert summary["last_step"] == 60
+
+
+def test_a_corrupted_snapshot_is_refused_on_read_and_the_run_falls_back_to_disk(tmp_path, subprocess_env):
+    """node1's worker stores every snapshot with one byte changed after its checksum (memory at rest);
+    its spare's restore reads it from the agent, refuses it, and the run restarts from disk."""
+    config = write_run_config(tmp_path, nodes="2", steps=40, run_id="corrupt")
+    write_fault(tmp_path / "run", "corrupt", {"kind": "snapshot_corrupt", "node": "node1", "from_step": 1})
+    summary, events, kill_ts = _run(config, subprocess_env, _kill_worker("node1", min_step=10))
+    failed = [e for e in events if e["kind"] == "trainer.recovery_failed" and e["ts"] > kill_ts]
+    assert any("checksum" in err for e in failed for err in e.get("snapshot_errors", [])), failed
+    assert any(e["kind"] == "agent.epoch_bump" and e["ts"] > kill_ts for e in events)
+    loaded = [e for e in events if e["kind"] == "checkpoint.loaded" and e["ts"] > kill_ts]
+    assert loaded and all(e["loaded_from"] == "disk" for e in loaded)
+    assert summary["last_step"] == 40

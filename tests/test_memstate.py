@@ -217,10 +217,11 @@ def test_push_of_a_tensor_numpy_cannot_read_is_an_event_not_a_crash(tmp_path, cl
 
 
 def _snap(step: int, data: bytes):
+    from elastic.checkpoint.checksum import digest_chunks
     from elastic.checkpoint.memstate import SnapMeta
 
     return SnapMeta(node="n0", slot=0, rank=0, world_size=1, epoch=0, gen=0, step=step,
-                    sha256=sha256_bytes(data), nbytes=len(data))
+                    checksum=digest_chunks([data])[0], nbytes=len(data))
 
 
 def test_kept_connection_carries_every_push_and_survives_the_store_closing_it():
@@ -243,7 +244,7 @@ def test_kept_connection_carries_every_push_and_survives_the_store_closing_it():
         assert client._sock is None  # a refusal drops the kept connection
         client.snap_put(_snap(5, b"e" * 64), b"e" * 64)
         assert client.snap_get("n0", 0)[0].step == 5
-        client.snap_put(_snap(6, b"f" * 64), b"x" * 64)  # bytes that do not match their sha256: stored,
+        client.snap_put(_snap(6, b"f" * 64), b"x" * 64)  # bytes that do not match their checksum: stored,
         with pytest.raises(MemStateCorrupt):  # but never read back
             client.snap_get("n0", 0, 6)
         assert bytes(client.snap_get("n0", 0, 5)[1]) == b"e" * 64

@@ -108,7 +108,7 @@ def _meta(snaps: Path, old_rank: int) -> SnapMeta:
 def _write(snaps: Path, rank: int, snap) -> None:
     (snaps / f"snap{rank}.bin").write_bytes(b"".join(bytes(c) for c in to_bytes(snap)))
     meta = SnapMeta(node=f"n{rank}", slot=0, rank=rank, world_size=OLD_WORLD, epoch=0, gen=0, step=STEP,
-                    sha256="", nbytes=0)
+                    checksum="", nbytes=0)
     (snaps / f"meta{rank}.json").write_text(json.dumps(meta.to_json()))
 
 

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
-from elastic.checkpoint.snapshot import capture, restore, snapshot_state_dicts
+from elastic.checkpoint.snapshot import capture, restore, snapshot_nbytes, snapshot_state_dicts
 from elastic.checkpoint.statedict import SnapshotStateDict, same_tree
 from elastic.common.config import from_dict
 from trainer.data import GlobalSampler
@@ -105,3 +105,23 @@ def test_a_snapshot_of_the_cheap_tree_restores_the_dit_bitwise(one_rank):
                                NumericsGuard(from_dict(NumericsConfig, {})))}
     restore(fresh, [snap], 0, 1)
     assert same_tree(fresh["app"].state_dict(), want)
+
+
+def test_sizing_a_fresh_optimizer_leaves_its_trajectory_alone(one_rank):
+    """The snapshot cap's check before training reads the state for its sizes only: a fresh
+    optimizer stays fresh (DCP would count a zero-lr step in Adam's state and shift every update)."""
+    torch.manual_seed(0)
+    sized_model, sized_optim = _dit()
+    torch.manual_seed(0)
+    plain_model, plain_optim = _dit()
+    state = {"app": TrainState(sized_model, sized_optim, GlobalSampler(64, 8, 0, True), NumericsGuard(
+        from_dict(NumericsConfig, {})))}
+    nbytes = snapshot_nbytes(state)
+    assert not sized_optim.state
+    assert nbytes >= sum(p.to_local().numel() * 4 for p in sized_model.parameters())
+    for model, optim in ((sized_model, sized_optim), (plain_model, plain_optim)):
+        torch.manual_seed(1)
+        _step(model, optim, 1e-3)
+        _step(model, optim, 1e-3)
+    assert same_tree(get_state_dict(sized_model, sized_optim), get_state_dict(plain_model, plain_optim))
+    assert snapshot_nbytes(state) > nbytes  # now with Adam's two moments

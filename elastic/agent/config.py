@@ -109,7 +109,12 @@ class InProcessConfig:
     re-formation has nothing to restore from memory and falls back to the restart path and the newest
     disk checkpoint; for measuring their cost (``benchmarks/recovery.py``) or a host too short of memory."""
     snapshot_mib: int = 4096
-    """Memory the agent may hold for per-step snapshots (its workers' and its buddy node's)."""
+    """Memory the agent may hold for per-step snapshots (its workers' and its buddy node's): two
+    steps of every local shard and of the buddy's.  Checked against the model when the workers
+    start: when they do not fit, the run stops before training with one line naming this field, the
+    size needed and the size allowed (raise it, or set ``snapshots: false``).  The agent's own memory
+    for them is at most 1.5x this (a reused receive buffer per buddy shard); its workers' shards it
+    maps from their shared memory rather than copying."""
     snapshot_ab_block: int = 0
     """For measuring the snapshots' cost within one run (``benchmarks/recovery.py``): alternate
     blocks of this many steps with and without snapshots, so both halves of the comparison share the

@@ -40,8 +40,8 @@ from elastic.agent.attempt import AttemptResult, NodeSpec, Outcome, TorchrunAtte
 from elastic.agent.classify import FailureKind, stopping_failure
 from elastic.agent.config import InProcessConfig
 from elastic.agent.peerwatch import PeerWatch
-from elastic.checkpoint.memclient import MemStateClient
-from elastic.checkpoint.memstate import MemStateError, MemStateServer, RoundBoard, SnapMeta
+from elastic.checkpoint.memclient import ClientPool
+from elastic.checkpoint.memstate import Chunk, MemStateError, MemStateServer, RoundBoard, SnapMeta
 from elastic.common.env import WorkerEnv
 from elastic.common.events import EventLog
 from elastic.common.exits import EXIT_CHECKPOINT, EXIT_CONFIG, EXIT_NUMERICS, EXIT_RECOVERY_FAILED, EXIT_SCREEN_FAILED
@@ -63,7 +63,7 @@ class BuddyLink:
         self._buddy: tuple[str, str, str] | None = None  # (node, addr, token)
         self._checked = 0.0
         self._failed: dict[str, float] = {}  # node -> until when it is skipped (its store did not answer)
-        self._link: tuple[str, MemStateClient] | None = None  # the kept connection to the buddy's store
+        self._link: tuple[str, ClientPool] | None = None  # the kept connections to the buddy's store
         self._stale = True
 
     def buddy(self) -> tuple[str, str, str] | None:
@@ -90,25 +90,25 @@ class BuddyLink:
         self._failed[node] = time.monotonic() + 30.0
         self._buddy, self._stale = None, True
 
-    def forward(self, meta: SnapMeta, data: bytearray) -> None:
+    def forward(self, meta: SnapMeta, *chunks: Chunk) -> None:
         buddy = self.buddy()
         if buddy is None:
             return
         node, addr, token = buddy
         try:
-            self._client(node, addr, token).snap_put(meta, data, replica=True)
+            self._pool(node, addr, token).replicate(meta, *chunks)
         except (MemStateError, OSError, ValueError) as exc:
             self.skip(node)  # the buddy may be gone: the next node of the ring takes over
             self.events.emit("agent.buddy_push_failed", buddy=node, step=meta.step, error=str(exc)[:300])
 
-    def _client(self, node: str, addr: str, token: str) -> MemStateClient:
-        """One kept connection to the current buddy, shared by this store's forwarding threads."""
+    def _pool(self, node: str, addr: str, token: str) -> ClientPool:
+        """Kept connections to the current buddy, one per forwarding thread in flight (the workers'
+        pushes travel side by side, not one at a time behind one connection's lock)."""
         link = self._link
         if link is None or link[0] != f"{node}@{addr}":
             if link is not None:
                 link[1].close()
-            link = self._link = (f"{node}@{addr}", MemStateClient(addr, token, self.timeout_s, peer=True,
-                                                                   keep_alive=True))
+            link = self._link = (f"{node}@{addr}", ClientPool(addr, token, self.timeout_s))
         return link[1]
 
 

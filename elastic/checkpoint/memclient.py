@@ -13,6 +13,7 @@ import socket
 import threading
 from typing import Any
 
+from elastic.checkpoint import checksum, shm
 from elastic.checkpoint.memstate import (
     Chunk,
     EntryMeta,
@@ -58,12 +59,16 @@ class MemStateClient:
         self.keep_alive = keep_alive
         self._sock: socket.socket | None = None
         self._lock = threading.Lock()
+        # A worker's pushes of shared-memory snapshots go over the agent's Unix socket (elastic.checkpoint.shm).
+        self.shared = not peer and shm.supported()
+        self._usock: socket.socket | None = None
 
     def close(self) -> None:
-        """Close the kept connection (a later push opens a new one)."""
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None
+        """Close the kept connections (a later push opens new ones)."""
+        for sock in (self._sock, self._usock):
+            if sock is not None:
+                sock.close()
+        self._sock = self._usock = None
 
     @classmethod
     def from_env(cls, environ: dict[str, str], timeout_s: float = 60.0) -> MemStateClient | None:
@@ -144,6 +149,34 @@ class MemStateClient:
             self.close()  # after a refusal the stream may hold an unread body
         return reply
 
+    def snap_put_shared(self, meta: SnapMeta, buffer: shm.SharedBuffer, length: int, head: Chunk,
+                        tail: Chunk) -> None:
+        """Store a snapshot whose data region is the first ``length`` bytes of ``buffer``: the agent
+        maps the buffer (its descriptor travels with the request) instead of receiving its bytes."""
+        spec = {"id": buffer.id, "size": len(buffer.map), "len": length,
+                "head": memoryview(head).nbytes, "tail": memoryview(tail).nbytes}
+        header = {"op": "snap_put", "token": self.token, "meta": meta.to_json(), "shm": spec}
+        with self._lock:
+            reply = self._on_unix(header, buffer.fd, (head, tail), retry=self._usock is not None)
+        if not reply.get("ok"):
+            raise MemStateRejected(str(reply.get("error")))
+
+    def _on_unix(self, header: dict, fd: int, chunks: tuple[Chunk, ...], retry: bool) -> dict:
+        try:
+            if self._usock is None:
+                self._usock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                self._usock.settimeout(self.timeout_s)
+                self._usock.connect(shm.unix_address(self.addr[1], self.token))
+            socket.send_fds(self._usock, [b"F"], [fd])
+            return _request(self._usock, header, *chunks)
+        except (OSError, ValueError, ConnectionError) as exc:
+            if self._usock is not None:
+                self._usock.close()
+                self._usock = None
+            if retry:  # the agent closed a connection left idle: once more on a new one
+                return self._on_unix(header, fd, chunks, retry=False)
+            raise MemStateUnavailable(f"snapshot push failed: {exc}") from exc
+
     def snap_put_torn(self, meta: SnapMeta, chunks: list[Chunk]) -> None:
         """Fault injection: send half of a snapshot, then die (SIGKILL) with the upload torn."""
         data = b"".join(bytes(c) for c in chunks)
@@ -164,9 +197,22 @@ class MemStateClient:
                 data = _read_exact(sock, meta.nbytes)
             except (OSError, ValueError, ConnectionError) as exc:
                 raise MemStateUnavailable(f"snapshot fetch failed: {exc}") from exc
-        if sha256_bytes(data) != meta.sha256:
-            raise MemStateCorrupt(f"snapshot {node}/{slot}: bytes do not match their sha256")
+        if not checksum.verify(meta.checksum, data):
+            raise MemStateCorrupt(f"snapshot {node}/{slot} step {meta.step}: bytes do not match their checksum "
+                                  f"({meta.checksum.partition(':')[0]})")
         return meta, data
+
+    def snap_fit(self, shard_bytes: int, local_shards: int) -> str | None:
+        """Whether this rank's snapshots (``shard_bytes`` each, ``local_shards`` on the node) fit its
+        agent's cap: None, or the one line that names the field, the size needed and the size allowed."""
+        with self._connect() as sock:
+            try:
+                _send(sock, {"op": "snap_fit", "token": self.token, "nbytes": shard_bytes,
+                             "local_shards": local_shards})
+                reply = _read_line(sock)
+            except (OSError, ValueError, ConnectionError) as exc:
+                raise MemStateUnavailable(f"snapshot size check failed: {exc}") from exc
+        return None if reply.get("ok") else str(reply.get("error"))
 
     def snap_list(self) -> list[SnapMeta]:
         with self._connect() as sock:
@@ -215,6 +261,45 @@ class MemStateClient:
                 return bool(_read_line(sock).get("dropped"))
             except (OSError, ValueError, ConnectionError) as exc:
                 raise MemStateUnavailable(f"drop failed: {exc}") from exc
+
+
+class ClientPool:
+    """Kept connections to one peer store, one per push in flight: an agent's forwarding threads (one
+    per local worker's push) no longer queue behind one connection's lock, so a node's shards travel
+    to the buddy side by side.  Connections are made as pushes overlap, at most one per local worker."""
+
+    def __init__(self, addr: str, token: str, timeout_s: float) -> None:
+        self.addr, self.token, self.timeout_s = addr, token, timeout_s
+        self._idle: list[MemStateClient] = []
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def replicate(self, meta: SnapMeta, *chunks: Chunk) -> None:
+        """Store a copy of a snapshot at the peer (``replica``: the peer does not forward it again)."""
+        client = self._take()
+        try:
+            client.snap_put(meta, *chunks, replica=True)
+        finally:
+            self._give(client)
+
+    def _take(self) -> MemStateClient:
+        with self._lock:
+            if self._idle:
+                return self._idle.pop()
+        return MemStateClient(self.addr, self.token, self.timeout_s, peer=True, keep_alive=True)
+
+    def _give(self, client: MemStateClient) -> None:
+        with self._lock:
+            if not self._closed:
+                self._idle.append(client)
+                return
+        client.close()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed, idle, self._idle = True, self._idle, []
+        for client in idle:
+            client.close()
 
 
 class PeerHold:

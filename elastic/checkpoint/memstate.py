@@ -21,9 +21,10 @@ put; the reply is a JSON header line, then the entry's bytes for a get.
 Integrity: every entry carries the sha256 of its bytes; the server checks it
 when the bytes arrive (a torn or altered upload is refused) and the client
 checks it again on every fetch (memory that changed at rest is refused).
-Per-step snapshots are checked on every fetch only: their stores (this node's
-agent and the buddy's) refuse a torn upload by its length, but do not hash each
-step's bytes twice more; the hash is what a restore verifies.
+Per-step snapshots carry a fast checksum instead (XXH3-128,
+:mod:`elastic.checkpoint.checksum`), checked on every fetch only: their stores
+(this node's agent and the buddy's) refuse a torn upload by its length, but do
+not hash each step's bytes twice more; the checksum is what a restore verifies.
 """
 
 from __future__ import annotations
@@ -33,15 +34,17 @@ import dataclasses
 import hashlib
 import json
 import logging
+import os
 import secrets
 import socket
 import socketserver
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from elastic.checkpoint import shm
 from elastic.common.env import MEMSTATE_ADDR_ENV, MEMSTATE_TOKEN_ENV
 from elastic.common.events import EventLog
 
@@ -151,8 +154,9 @@ def _read_line(sock: socket.socket) -> dict[str, Any]:
             raise ValueError("header too long")
 
 
-def _read_exact(sock: socket.socket, nbytes: int) -> bytearray:
-    data = bytearray(nbytes)
+def _read_exact(sock: socket.socket, nbytes: int, into: bytearray | None = None) -> bytearray:
+    """``nbytes`` from ``sock``, into ``into`` when given (a reused buffer of that length)."""
+    data = bytearray(nbytes) if into is None else into
     view = memoryview(data)
     got = 0
     while got < nbytes:
@@ -270,7 +274,8 @@ class SnapMeta:
     epoch: int
     gen: int
     step: int
-    sha256: str
+    checksum: str
+    """``algorithm:hex`` of the snapshot's bytes (:mod:`elastic.checkpoint.checksum`), verified on every read."""
     nbytes: int
 
     def to_json(self) -> dict[str, Any]:
@@ -282,6 +287,31 @@ class SnapMeta:
         if names - set(data):
             raise ValueError(f"snapshot metadata lacks {sorted(names - set(data))}")
         return cls(**{k: data[k] for k in names})
+
+
+SNAPSHOT_CAP_FIELD = "agent.inprocess.snapshot_mib"
+
+
+def snapshot_need(shard_bytes: int, local_shards: int, depth: int = 2) -> int:
+    """Bytes one agent holds at most: ``depth`` steps of each local shard and of the buddy's (the
+    buddy node runs as many shards as this one: a run's nodes have the same slots)."""
+    return depth * 2 * local_shards * shard_bytes
+
+
+def snapshot_fit_error(shard_bytes: int, local_shards: int, limit_bytes: int, depth: int = 2) -> str | None:
+    """The one line that stops a run whose snapshots cannot fit the agent's cap, or None when they
+    fit.  Checked once at the start, never per step: a snapshot dropped for lack of room would turn
+    the next fault into a disk restart without a word."""
+    need = snapshot_need(shard_bytes, local_shards, depth)
+    if need <= limit_bytes:
+        return None
+    return (f"{SNAPSHOT_CAP_FIELD}: per-step snapshots need {_mib(need)} MiB ({depth} steps x ({local_shards} local "
+            f"shards + {local_shards} of the buddy's) x {shard_bytes / 2**20:.1f} MiB), {_mib(limit_bytes)} MiB "
+            "allowed; raise it, or set agent.inprocess.snapshots: false to run without them")
+
+
+def _mib(nbytes: int) -> int:
+    return -(-nbytes // 2**20)
 
 
 class SnapshotCache:
@@ -296,9 +326,34 @@ class SnapshotCache:
         self.depth = depth
         self._entries: dict[tuple[str, int], list[tuple[SnapMeta, bytearray]]] = {}
         self._lock = threading.Lock()
+        self._free: list[bytearray] = []  # receive buffers that evicted snapshots left (buffer())
+        self._reading: dict[int, int] = {}  # id(buffer) -> fetches sending it (never reused meanwhile)
+
+    def buffer(self, nbytes: int) -> bytearray:
+        """A buffer to receive a snapshot of ``nbytes`` into: one an evicted snapshot of the same size
+        left, else a new one.  Why: a fresh 47 MiB bytearray's first touch (page faults) cost ten
+        times the copy into it (1.3 vs 13.8 GB/s on this host).  Memory: the free list holds at
+        most half the cap, so a store holds at most 1.5 x ``max_bytes`` (a slot's third buffer is
+        the one the next step arrives in while the two it keeps stay whole)."""
+        with self._lock:
+            for i, buf in enumerate(self._free):
+                if len(buf) == nbytes:
+                    return self._free.pop(i)
+        return bytearray(nbytes)
+
+    def release(self, data: bytearray) -> None:
+        """Hand back a buffer that holds nothing kept (a refused upload, an evicted snapshot)."""
+        with self._lock:
+            self._recycle(data)
+
+    def _recycle(self, data: bytearray | shm.Parts) -> None:
+        if not isinstance(data, bytearray) or self._reading.get(id(data)):
+            return  # a fetch is sending it: left to the garbage collector
+        if sum(len(b) for b in self._free) + len(data) <= self.max_bytes // 2:
+            self._free.append(data)
 
     def put(self, meta: SnapMeta, data: bytearray) -> None:
-        # Length only: the sha256 is checked when the snapshot is read (MemStateClient.snap_get),
+        # Length only: the checksum is checked when the snapshot is read (MemStateClient.snap_get),
         # the one time its bytes matter.  Hashing them here too, at this node's store and again at
         # the buddy's, was ~0.35 ms of CPU per store per step on the DiT benchmark (2 shared cores),
         # a third of what the stores cost a step; a corrupt copy still never reaches a model.
@@ -312,13 +367,35 @@ class SnapshotCache:
                          for m, _ in es)
             if others + sum(m.nbytes for m, _ in kept) > self.max_bytes:
                 raise MemStateRejected(f"snapshot of {meta.nbytes} bytes does not fit (limit {self.max_bytes})")
+            kept_ids = {id(d) for _, d in kept}
+            for _, old in self._entries.get((meta.node, meta.slot), []):
+                if id(old) not in kept_ids:
+                    self._recycle(old)
             self._entries[(meta.node, meta.slot)] = kept
 
     def get(self, node: str, slot: int, step: int | None = None) -> tuple[SnapMeta, bytearray] | None:
         with self._lock:
-            entries = self._entries.get((node, slot), [])
-            matching = [e for e in entries if step is None or e[0].step == step]
-            return matching[-1] if matching else None
+            return self._find(node, slot, step)
+
+    def _find(self, node: str, slot: int, step: int | None) -> tuple[SnapMeta, bytearray] | None:
+        matching = [e for e in self._entries.get((node, slot), []) if step is None or e[0].step == step]
+        return matching[-1] if matching else None
+
+    @contextlib.contextmanager
+    def reading(self, node: str, slot: int, step: int | None = None) -> Iterator[tuple[SnapMeta, bytearray] | None]:
+        """:meth:`get`, its buffer kept from reuse until the caller has sent it."""
+        with self._lock:
+            entry = self._find(node, slot, step)
+            if entry is not None:
+                self._reading[id(entry[1])] = self._reading.get(id(entry[1]), 0) + 1
+        try:
+            yield entry
+        finally:
+            if entry is not None:
+                with self._lock:
+                    self._reading[id(entry[1])] -= 1
+                    if not self._reading[id(entry[1])]:
+                        del self._reading[id(entry[1])]
 
     def metas(self) -> list[SnapMeta]:
         with self._lock:
@@ -420,6 +497,10 @@ class _Handler(socketserver.BaseRequestHandler):
             owner.events.emit("memstate.request_failed", error=f"{type(exc).__name__}: {exc}"[:500])
 
 
+def _chunks(data: bytearray | shm.Parts) -> tuple[Chunk, ...]:
+    return data.chunks if isinstance(data, shm.Parts) else (data,)
+
+
 def _hold(sock: socket.socket) -> None:
     """A peer agent's liveness watch (:class:`~elastic.checkpoint.memclient.PeerHold`): the
     connection stays open, silent, for as long as both agents live.  This agent's death closes it
@@ -440,6 +521,44 @@ def _next_request(sock: socket.socket) -> bool:
         return False
 
 
+class _UnixHandler(_Handler):
+    """A worker's shared-memory pushes (:mod:`elastic.checkpoint.shm`): each request starts with one
+    byte that carries the buffer's file descriptor (``SCM_RIGHTS``), read alone so that no later
+    read can drop it, then the usual header and the small inline body."""
+
+    def handle(self) -> None:
+        sock: socket.socket = self.request
+        sock.settimeout(self.server.io_timeout_s)
+        owner = self.server.owner
+        try:
+            while self._one(sock, owner):
+                pass
+        except (TimeoutError, socket.timeout):
+            return  # a kept connection left idle: the worker opens a new one
+        except (OSError, ValueError, KeyError, TypeError, ConnectionError) as exc:
+            owner.events.emit("memstate.request_failed", error=f"{type(exc).__name__}: {exc}"[:500])
+
+    @staticmethod
+    def _one(sock: socket.socket, owner: MemStateServer) -> bool:
+        marker, fds, _, _ = socket.recv_fds(sock, 1, 1)
+        if not marker:
+            return False
+        header = _read_line(sock)
+        if not secrets.compare_digest(str(header.get("token", "")), owner.token):
+            for fd in fds:
+                os.close(fd)
+            _send(sock, {"ok": False, "error": "bad token"})
+            return False
+        owner.dispatch(sock, header, fds[0] if fds else None)
+        return header.get("op") == "snap_put"
+
+
+class _UnixServer(socketserver.ThreadingUnixStreamServer):
+    daemon_threads = True
+    owner: MemStateServer
+    io_timeout_s: float
+
+
 class _TCPServer(socketserver.ThreadingTCPServer):
     daemon_threads = True
     allow_reuse_address = True
@@ -455,7 +574,7 @@ class MemStateServer:
         self.cache = MemStateCache(max_bytes)
         self.snapshots = SnapshotCache(max_bytes)
         # Set by the agent: a copy of every snapshot of this node's workers goes to the buddy node.
-        self.replicate: Callable[[SnapMeta, bytearray], None] | None = None
+        self.replicate: Callable[..., None] | None = None  # (meta, *chunks)
         self.buddy_link: Any = None  # in-process mode: the agent's link to its ring successor (replicas, liveness)
         self.board = RoundBoard()
         self.events = events or EventLog(None, "memstate")
@@ -463,11 +582,23 @@ class MemStateServer:
         self._server = _TCPServer((host, 0), _Handler)
         self._server.owner = self
         self._server.io_timeout_s = io_timeout_s
-        # A short poll interval only bounds how long close() waits for the serving thread.
-        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.1},
-                                        name="memstate", daemon=True)
-        self._thread.start()
+        self.mappings = shm.Mappings()
+        self._unix = self._unix_server(io_timeout_s) if shm.supported() else None
+        # A short poll interval only bounds how long close() waits for the serving threads.
+        self._threads = [threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.1},
+                                          name="memstate", daemon=True) for srv in (self._server, self._unix) if srv]
+        for thread in self._threads:
+            thread.start()
         self.events.emit("memstate.started", addr=self.addr, max_bytes=max_bytes)
+
+    def _unix_server(self, io_timeout_s: float) -> _UnixServer | None:
+        try:
+            server = _UnixServer(shm.unix_address(self.port, self.token), _UnixHandler)
+        except OSError as exc:  # e.g. no abstract namespace: the workers push over TCP
+            self.events.emit("memstate.no_shared_memory", error=str(exc)[:300])
+            return None
+        server.owner, server.io_timeout_s = self, io_timeout_s
+        return server
 
     @property
     def addr(self) -> str:
@@ -482,8 +613,10 @@ class MemStateServer:
     def worker_env(self) -> dict[str, str]:
         return {MEMSTATE_ADDR_ENV: self.addr, MEMSTATE_TOKEN_ENV: self.token}
 
-    def dispatch(self, sock: socket.socket, header: dict[str, Any]) -> None:
+    def dispatch(self, sock: socket.socket, header: dict[str, Any], fd: int | None = None) -> None:
         op = header.get("op")
+        if fd is not None and op != "snap_put":
+            os.close(fd)
         if op == "put":
             self._put(sock, header)
         elif op == "get":
@@ -492,13 +625,18 @@ class MemStateServer:
                 _send(sock, {"ok": False, "error": "empty", "miss": True})
                 return
             meta, data = entry
-            _send(sock, {"ok": True, "meta": meta.to_json()}, data)
+            _send(sock, {"ok": True, "meta": meta.to_json()}, *_chunks(data))
         elif op == "drop":
             _send(sock, {"ok": True, "dropped": self.cache.drop(int(header["slot"]))})
+        elif op == "snap_put" and fd is not None:
+            self._snap_put_shared(sock, header, fd)
         elif op == "snap_put":
             self._snap_put(sock, header)
         elif op == "snap_get":
             self._snap_get(sock, header)
+        elif op == "snap_fit":
+            error = snapshot_fit_error(int(header["nbytes"]), int(header["local_shards"]), self.snapshots.max_bytes)
+            _send(sock, {"ok": error is None, "error": error})
         elif op == "snap_list":
             _send(sock, {"ok": True, "metas": [m.to_json() for m in self.snapshots.metas()]})
         elif op == "round_wait":
@@ -532,30 +670,63 @@ class MemStateServer:
 
     def _snap_put(self, sock: socket.socket, header: dict[str, Any]) -> None:
         meta = SnapMeta.from_json(header["meta"])
-        data = _read_exact(sock, meta.nbytes)
+        buf = self.snapshots.buffer(meta.nbytes)
+        try:
+            data = _read_exact(sock, meta.nbytes, into=buf)
+            self.snapshots.put(meta, data)
+        except (MemStateRejected, OSError, ConnectionError) as exc:
+            self.snapshots.release(buf)
+            if not isinstance(exc, MemStateRejected):
+                raise
+            self._refused(sock, meta, exc)
+            return
+        self._stored(sock, header, meta, data)
+
+    def _snap_put_shared(self, sock: socket.socket, header: dict[str, Any], fd: int) -> None:
+        """A push from this node's worker whose data region is its shared buffer ``fd`` (mapped here)."""
+        meta, spec = SnapMeta.from_json(header["meta"]), header["shm"]
+        try:
+            head = _read_exact(sock, int(spec["head"]))
+            tail = _read_exact(sock, int(spec["tail"]))
+        except BaseException:
+            os.close(fd)
+            raise
+        view = self.mappings.view(meta.slot, str(spec["id"]), fd, int(spec["size"]), int(spec["len"]))
+        data = shm.Parts(head, view, tail)
         try:
             self.snapshots.put(meta, data)
         except MemStateRejected as exc:
-            self.events.emit("memstate.snapshot_rejected", node=meta.node, slot=meta.slot, step=meta.step,
-                             error=str(exc))
-            _send(sock, {"ok": False, "error": str(exc)})
+            self._refused(sock, meta, exc)
             return
+        self._stored(sock, header, meta, data)
+
+    def _refused(self, sock: socket.socket, meta: SnapMeta, exc: MemStateRejected) -> None:
+        self.events.emit("memstate.snapshot_rejected", node=meta.node, slot=meta.slot, step=meta.step,
+                         error=str(exc))
+        _send(sock, {"ok": False, "error": str(exc)})
+
+    def _stored(self, sock: socket.socket, header: dict[str, Any], meta: SnapMeta,
+                data: bytearray | shm.Parts) -> None:
         # Replication is synchronous: the worker's push completes once the buddy holds the copy too,
         # so a whole node's loss never costs more than the step in flight.
         if self.replicate is not None and not header.get("replica"):
-            self.replicate(meta, data)
+            self.replicate(meta, *_chunks(data))
         _send(sock, {"ok": True})
 
     def _snap_get(self, sock: socket.socket, header: dict[str, Any]) -> None:
         step = header.get("step")
-        entry = self.snapshots.get(str(header["node"]), int(header["slot"]), None if step is None else int(step))
-        if entry is None:
-            _send(sock, {"ok": False, "error": "empty", "miss": True})
-            return
-        meta, data = entry
-        _send(sock, {"ok": True, "meta": meta.to_json()}, data)
+        with self.snapshots.reading(str(header["node"]), int(header["slot"]),
+                                    None if step is None else int(step)) as entry:
+            if entry is None:
+                _send(sock, {"ok": False, "error": "empty", "miss": True})
+                return
+            meta, data = entry
+            _send(sock, {"ok": True, "meta": meta.to_json()}, *_chunks(data))
 
     def close(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
-        self._thread.join(timeout=5)
+        for server in (self._server, self._unix):
+            if server is not None:
+                server.shutdown()
+                server.server_close()
+        for thread in self._threads:
+            thread.join(timeout=5)

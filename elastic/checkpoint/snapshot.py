@@ -48,7 +48,10 @@ from elastic.checkpoint.memory import (
     resolve,
     tensor_ref,
 )
-from elastic.checkpoint.memstate import MemStateError, SnapMeta, sha256_chunks
+from elastic.checkpoint import shm
+from elastic.checkpoint.checksum import ALGORITHM, digest_chunks
+from elastic.checkpoint.memstate import MemStateError, SnapMeta
+from elastic.checkpoint.statedict import sizing
 from elastic.common.events import EventLog
 
 SHARD = "__shard__"
@@ -57,6 +60,42 @@ SHARD = "__shard__"
 
 class SnapshotError(RuntimeError):
     """A snapshot cannot be taken or restored (the caller falls back to a disk checkpoint)."""
+
+
+_SIDE_STREAMS: dict[int, Any] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """One copy stream per device for the worker's life (a stream per capture would leak handles)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SIDE_STREAMS:
+        _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
+    return _SIDE_STREAMS[index]
+
+
+def _host_register(flat: torch.Tensor) -> bool:
+    """Page-lock a shared buffer in place (cudaHostRegister), so a device copy into it is a DMA
+    that overlaps compute; a pageable destination makes ``non_blocking`` copies synchronous."""
+    if not flat.numel():
+        return False
+    err = torch.cuda.cudart().cudaHostRegister(flat.data_ptr(), flat.numel(), 0)
+    if int(err) != 0:
+        raise SnapshotError(f"cudaHostRegister of a {flat.numel()}-byte snapshot buffer failed: {err}")
+    return True
+
+
+def copy_path(sources: list[torch.Tensor]) -> str:
+    """``cuda``: the sources live on a GPU (pinned buffer, side stream, event); ``cpu``: a blocking
+    copy, as before issue 28 (host tensors, or a CPU-only build)."""
+    on_gpu = any(t.device.type == "cuda" for t in sources)
+    return "cuda" if on_gpu and torch.cuda.is_available() else "cpu"
+
+
+def wait_copied(snapshot: Snapshot | None) -> None:
+    """Before the step changes state a GPU snapshot copies: the current stream waits for the copy
+    (a wait queued on the device; the training thread does not block)."""
+    if snapshot is not None and snapshot.ready is not None:
+        torch.cuda.current_stream().wait_event(snapshot.ready)
 
 
 class Packed:
@@ -68,13 +107,35 @@ class Packed:
     ``to_bytes``); one ``_foreach_copy_`` into cached views and a three-chunk push cost a fraction.
     The views are made once per buffer; :class:`SnapshotRing` hands buffers back for reuse."""
 
-    def __init__(self, layout: tuple[tuple[torch.dtype, tuple[int, ...]], ...]) -> None:
+    def __init__(self, layout: tuple[tuple[torch.dtype, tuple[int, ...]], ...], shared: bool = False,
+                 pinned: bool = False) -> None:
         self.layout = layout
+        self.pinned = pinned
         specs = [torch.empty(shape, dtype=dtype, device="meta") for dtype, shape in layout]
         self.table, nbytes = data_table(specs)
-        self.flat = torch.zeros(nbytes, dtype=torch.uint8)  # zeros: the alignment gaps are sent too
-        self.views = [self.flat[off:off + n].view(dtype).view(shape)
-                      for (dtype, shape), (_, _, off, n) in zip(layout, self.table)]
+        # shared: in memory the node agent maps instead of receiving (elastic.checkpoint.shm).
+        self.shared = shm.SharedBuffer(nbytes) if shared and nbytes and shm.supported() else None
+        if self.shared is not None:  # zeroed as a new memfd is: the alignment gaps are sent too
+            self.flat = torch.frombuffer(self.shared.map, dtype=torch.uint8, count=nbytes)
+        else:
+            self.flat = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=pinned)
+        self._registered = pinned and self.shared is not None and _host_register(self.flat)
+        self.views = self._views()
+
+    def _views(self) -> list[torch.Tensor]:
+        return [self.flat[off:off + n].view(dtype).view(shape)
+                for (dtype, shape), (_, _, off, n) in zip(self.layout, self.table)]
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled (a restore's exchange between ranks) as a plain host copy: the shared memory and
+        its mapping, and the page-locking, belong to this process."""
+        state = {**self.__dict__, "flat": self.flat.clone(), "shared": None, "_registered": False, "pinned": False}
+        del state["views"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.views = self._views()
 
     def fill(self, sources: list[torch.Tensor]) -> None:
         if not sources:
@@ -85,6 +146,30 @@ class Packed:
             except RuntimeError:  # e.g. sources on several devices: the plain path
                 for view, src in zip(self.views, sources):
                     view.copy_(src)
+
+    def fill_async(self, sources: list[torch.Tensor]) -> torch.cuda.Event:
+        """GPU sources: copied into this (pinned) buffer on a side stream, ordered after the work
+        already queued on the current stream (the optimizer step that made the state); returns the
+        event recorded after the copy.  Nothing here waits: the training thread goes on queueing
+        the next step, the step's stream waits for the event before it changes the copied state
+        (:func:`wait_copied`), and the push thread waits for it before it reads the bytes."""
+        on_gpu = [i for i, t in enumerate(sources) if t.device.type == "cuda"]
+        device = sources[on_gpu[0]].device
+        host = [i for i, t in enumerate(sources) if t.device.type != "cuda"]  # e.g. Adam's step counters
+        with torch.no_grad():
+            for i in host:
+                self.views[i].copy_(sources[i])
+        side = _side_stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.no_grad(), torch.cuda.stream(side):
+            torch._foreach_copy_([self.views[i] for i in on_gpu], [sources[i] for i in on_gpu], non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(side)
+        return event
+
+    def __del__(self) -> None:
+        if getattr(self, "_registered", False):
+            torch.cuda.cudart().cudaHostUnregister(self.flat.data_ptr())
 
     def data(self) -> memoryview:
         return memoryview(self.flat.numpy()).cast("B") if self.flat.numel() else memoryview(b"")
@@ -102,6 +187,14 @@ class Snapshot:
     """The buffer the tensors are in (a captured snapshot; None for one read back)."""
     skeleton: Any = None
     """The state with tensor references in place of the tensors (with ``packed``: the wire header's)."""
+    ready: Any = None
+    """GPU copy path: the CUDA event recorded after the copy into ``packed`` (None: the copy is done)."""
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled after its copy is complete; the CUDA event stays behind."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        return {**self.__dict__, "ready": None}
 
     @property
     def tree(self) -> dict[str, Any]:
@@ -168,9 +261,19 @@ def capture(state: Mapping[str, Any], step: int, gen: int, rank: int, world: int
     sources: list[torch.Tensor] = []
     skeleton = _skeleton(snapshot_state_dicts(state), sources)
     layout = tuple((t.dtype, tuple(t.shape)) for t in sources)
-    packed = ring.buffer(layout) if ring is not None else Packed(layout)
-    packed.fill(sources)
-    return Snapshot(step, gen, rank, world, None, blob, packed, skeleton)
+    cuda = copy_path(sources) == "cuda"
+    packed = ring.buffer(layout, pinned=cuda) if ring is not None else Packed(layout, pinned=cuda)
+    ready = packed.fill_async(sources) if cuda else packed.fill(sources)
+    return Snapshot(step, gen, rank, world, None, blob, packed, skeleton, ready)
+
+
+def snapshot_nbytes(state: Mapping[str, Any]) -> int:
+    """The bytes of this rank's snapshot of ``state`` as it is now (its packed tensors), without a copy
+    (a fresh optimizer's state, not created yet, counts nothing: :func:`~elastic.checkpoint.statedict.sizing`)."""
+    sources: list[torch.Tensor] = []
+    with sizing():
+        _skeleton(snapshot_state_dicts(state), sources)
+    return data_table([torch.empty(t.shape, dtype=t.dtype, device="meta") for t in sources])[1]
 
 
 def extra_of(snapshot: Snapshot) -> dict[str, Any]:
@@ -203,8 +306,9 @@ class SnapshotCosts:
 class SnapshotRing:
     """This rank's newest snapshots in-process (two: see the module docstring)."""
 
-    def __init__(self, depth: int = 2) -> None:
+    def __init__(self, depth: int = 2, shared: bool = False) -> None:
         self.depth = depth
+        self.shared = shared  # buffers in shared memory (a worker whose agent maps them)
         self._items: list[Snapshot] = []
         self._free: list[Packed] = []  # buffers of snapshots the ring let go (their pushes are done)
 
@@ -214,13 +318,13 @@ class SnapshotRing:
         self._free += [s.packed for s in self._items if s.packed is not None and id(s.packed) not in kept_ids]
         self._items = kept
 
-    def buffer(self, layout: tuple[tuple[torch.dtype, tuple[int, ...]], ...]) -> Packed:
+    def buffer(self, layout: tuple[tuple[torch.dtype, tuple[int, ...]], ...], pinned: bool = False) -> Packed:
         """A buffer for the next capture: one the ring let go, when its layout fits.
 
         A snapshot leaves the ring only when a newer one is added, after its own push finished
         (a push is waited for before the next step's last collectives), so nothing reads it."""
-        self._free = [p for p in self._free if p.layout == layout]  # a new world: new shard shapes
-        return self._free.pop() if self._free else Packed(layout)
+        self._free = [p for p in self._free if p.layout == layout and p.pinned == pinned]  # a new world: new shapes
+        return self._free.pop() if self._free else Packed(layout, self.shared, pinned)
 
     def get(self, step: int) -> Snapshot | None:
         return next((s for s in self._items if s.step == step), None)
@@ -258,9 +362,11 @@ class SnapshotPusher:
     changes any state the copy reads (see :meth:`InProcess.snapshot`)."""
 
     def __init__(self, client: MemStateClient, node: str, slot: int, epoch: int, events: EventLog,
-                 kill_during: Callable[[int], bool] = lambda step: False) -> None:
+                 kill_during: Callable[[int], bool] = lambda step: False, checksum: str = ALGORITHM) -> None:
         self.client = client
+        self.checksum = checksum  # the algorithm (elastic.checkpoint.checksum); sha256 for a baseline
         self.kill_during = kill_during  # fault injection: die with a torn upload (elastic.worker.faults)
+        self.corrupt_during: Callable[[int], bool] = lambda step: False  # fault injection: a byte changed at rest
         self.node, self.slot, self.epoch = node, slot, epoch
         self.events = events
         self._cond = threading.Condition()
@@ -272,6 +378,7 @@ class SnapshotPusher:
         self.failures = 0
         self.push_s: list[float] = []  # each push's duration on the background thread (stats())
         self.push_cpu_s: list[float] = []  # and that thread's CPU time for it
+        self.capture_s: list[float] = []  # each deferred capture's duration on this thread
 
     def push(self, snapshot: Snapshot) -> None:
         self.submit(lambda: snapshot)
@@ -322,8 +429,11 @@ class SnapshotPusher:
                     self._cond.notify_all()
 
     def _take(self, job: Callable[[], Snapshot]) -> Snapshot | None:
+        t0 = time.monotonic()
         try:
-            return job()
+            snapshot = job()
+            self.capture_s.append(time.monotonic() - t0)
+            return snapshot
         except Exception as exc:  # noqa: BLE001 -- handed to the training thread (wait_captured)
             with self._cond:
                 self._capture_error = exc
@@ -342,13 +452,17 @@ class SnapshotPusher:
     def _push(self, snapshot: Snapshot) -> None:
         t0, cpu0 = time.monotonic(), time.thread_time()
         try:
+            if snapshot.ready is not None:
+                snapshot.ready.synchronize()  # the GPU copy: waited for here, never on the training thread
             chunks = to_bytes(snapshot)
-            sha, nbytes = sha256_chunks(chunks)
+            digest, nbytes = digest_chunks(chunks, self.checksum)  # here, off the training thread (it releases the GIL)
             meta = SnapMeta(node=self.node, slot=self.slot, rank=snapshot.rank, world_size=snapshot.world,
-                            epoch=self.epoch, gen=snapshot.gen, step=snapshot.step, sha256=sha, nbytes=nbytes)
+                            epoch=self.epoch, gen=snapshot.gen, step=snapshot.step, checksum=digest, nbytes=nbytes)
             if self.kill_during(snapshot.step):
                 self.client.snap_put_torn(meta, chunks)  # never returns
-            self.client.snap_put(meta, *chunks)
+            if self.corrupt_during(snapshot.step):
+                chunks = _corrupted(chunks)
+            self._send(snapshot, meta, chunks)
         except (MemStateError, OSError, RuntimeError, ValueError) as exc:
             self._failed(snapshot, exc)
             return
@@ -358,9 +472,27 @@ class SnapshotPusher:
         if snapshot.step % 50 == 0 or self.failures:
             self.events.emit("snapshot.pushed", step=snapshot.step, bytes=nbytes, push_s=round(self.push_s[-1], 6))
 
+    def _send(self, snapshot: Snapshot, meta: SnapMeta, chunks: list[memoryview | bytes]) -> None:
+        """To the agent: the shared buffer's descriptor where it has one (no bytes copied), else the bytes."""
+        shared = snapshot.packed.shared if snapshot.packed is not None else None
+        if shared is not None and self.client.shared and len(chunks) == 3:
+            self.client.snap_put_shared(meta, shared, memoryview(chunks[1]).nbytes, chunks[0], chunks[2])
+        else:
+            self.client.snap_put(meta, *chunks)
+
     def _failed(self, snapshot: Snapshot, exc: BaseException) -> None:
         self.failures += 1
         self.events.emit("snapshot.push_failed", step=snapshot.step, error=f"{type(exc).__name__}: {exc}"[:300])
+
+
+def _corrupted(chunks: list[memoryview | bytes]) -> list[memoryview | bytes]:
+    """Fault injection: the chunks with the data region's first byte changed (in place when it is
+    the shared buffer: the agent's stored copy changes as memory at rest would)."""
+    data = memoryview(chunks[1]).cast("B") if len(chunks) == 3 else None
+    if data is None or not data.nbytes or data.readonly:
+        return [bytes(b ^ 0xFF for b in bytes(chunks[0])[:1]) + bytes(chunks[0])[1:], *chunks[1:]]
+    data[0] ^= 0xFF
+    return chunks
 
 
 # -- restore ---------------------------------------------------------------------------------------

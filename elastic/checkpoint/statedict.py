@@ -12,11 +12,19 @@ that renames parameters, another optimizer layout) it keeps calling DCP: slower,
 
 DCP saves and snapshot restores keep ``get_state_dict``/``set_state_dict`` (a fresh optimizer has
 no state yet: DCP creates it); only the per-step capture takes this path.
+
+Sizing (:func:`sizing`, the snapshot cap's check before training) must not create that state: DCP
+creates it with a zero-gradient ``step()`` at lr 0, which leaves the weights but counts a step in
+Adam's state, so a run that sized its snapshots before step 1 trained a different trajectory
+(its bias correction one step on) from the same run without snapshots (found by the chaos suite:
+weights differed from step 2).  While sizing, a fresh optimizer's state is reported empty.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+import contextvars
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -53,6 +61,24 @@ def _bytes(tensor: torch.Tensor) -> torch.Tensor:
     return flat.view(torch.uint8) if flat.numel() else flat
 
 
+_SIZING: contextvars.ContextVar[bool] = contextvars.ContextVar("snapshot_sizing", default=False)
+
+
+@contextlib.contextmanager
+def sizing() -> Iterator[None]:
+    """Inside: state dicts are read only for their tensors' sizes (see the module: no state created)."""
+    token = _SIZING.set(True)
+    try:
+        yield
+    finally:
+        _SIZING.reset(token)
+
+
+def _fresh(optim: torch.optim.Optimizer) -> bool:
+    """No state and no gradient: DCP's ``get_state_dict`` would step this optimizer to create its state."""
+    return not optim.state and all(p.grad is None for g in optim.param_groups for p in g["params"])
+
+
 class SnapshotStateDict:
     """``(model_sd, optim_sd)`` as ``get_state_dict(model, optim)`` returns them, cheaply (see the module)."""
 
@@ -62,6 +88,8 @@ class SnapshotStateDict:
         self._names: list[list[str]] = []
 
     def __call__(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        if _SIZING.get() and self.fast is None and _fresh(self.optim):
+            return dict(self.model.state_dict(keep_vars=True)), {"state": {}, "param_groups": []}
         if self.fast:
             return self._cheap()
         if self.fast is None:

@@ -11,6 +11,7 @@ writes the same files on the target node)::
     {"kind": "exit",      "rank": 1, "step": 9, "code": 1}  # die with an exit code (crash)
     {"kind": "ckpt_write_error", "step": 10}               # the checkpoint writer raises ENOSPC
     {"kind": "snapshot_kill", "rank": 1, "step": 12}       # SIGKILL itself halfway through the step's snapshot push
+    {"kind": "snapshot_corrupt", "rank": 1, "from_step": 5}  # change a byte of each stored snapshot after its checksum
     {"kind": "sdc", "node": "node1", "rank": 0, "step": 6, "bit": 22}  # flip one gradient bit, silently
 
 ``rank`` may be omitted (every rank) or be a list; ``node`` (a node id, or a
@@ -43,7 +44,7 @@ from elastic.common.env import NODE_ID_ENV
 
 FAULTS_DIR = "faults"
 ONCE_BY_DEFAULT = {"nan_loss": True, "hang": True, "exit": True, "ckpt_write_error": True, "straggle": False,
-                   "snapshot_kill": True, "block": True, "sdc": True}
+                   "snapshot_kill": True, "block": True, "snapshot_corrupt": False, "sdc": True}
 KINDS = frozenset(ONCE_BY_DEFAULT)
 
 
@@ -217,6 +218,14 @@ class FaultHooks:
     def checkpoint_write_fails(self, step: int) -> bool:
         """The predicate of :class:`~elastic.checkpoint.storage.FaultInjectingStorage` (fires the fault)."""
         return self.checkpoint_write_error(step) is not None
+
+    def snapshot_corrupt(self, step: int) -> bool:
+        """Whether this rank's snapshot of ``step`` is stored with one byte changed after its checksum
+        was taken (memory changed at rest: a restore must refuse it and fall back)."""
+        for fault in self._matching("snapshot_corrupt", step):
+            self._fire(fault, step)
+            return True
+        return False
 
     def snapshot_kill(self, step: int) -> bool:
         """Whether this rank dies halfway through pushing the snapshot of ``step`` (fires once)."""

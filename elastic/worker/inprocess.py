@@ -38,11 +38,14 @@ from elastic.checkpoint.snapshot import (
     SnapshotRing,
     capture,
     extra_of,
+    snapshot_nbytes,
+    wait_copied,
     from_bytes,
     load_tree,
     restore,
 )
 from elastic.common.collectives import check_device, group_device
+from elastic.common.config import ConfigError
 from elastic.common.env import WorkerEnv
 from elastic.common.events import EventLog
 from elastic.common.exits import EXIT_RECOVERY_FAILED
@@ -99,11 +102,13 @@ class InProcess:
         self.client = (MemStateClient(env.memstate_addr, env.memstate_token, 30.0, keep_alive=True)
                        if env.memstate_addr else None)
         self.round = GenerationClient(env, local_rank, self.client)  # the rounds, over the local channel
-        self.ring = SnapshotRing()
+        self.ring = SnapshotRing(shared=bool(env.memstate_addr))  # the agent maps its buffers
         self.snapshots_on = env.snapshots != "0"
         self.ab_block = int(env.snapshots[3:]) if env.snapshots.startswith("ab:") else 0
         self.costs = SnapshotCosts()
         self._pending_capture = False  # a deferred capture not yet waited for (captured())
+        self.fit_bytes = 0  # the largest snapshot the agent's cap was checked for (check_fit)
+        self.fetch_errors: list[str] = []  # why snapshots could not be read (trainer.recovery_failed says)
         self.pusher = SnapshotPusher(self.client, env.node_id, local_rank, self.epoch, events) if self.client else None
         self.rank = -1
         self.phases: dict[str, float] = {}  # the last re-formation's (PhaseClock)
@@ -146,6 +151,26 @@ class InProcess:
         """The rank torchrun gave this worker (its agent registers the node's slots for generation 0)."""
         self.rank = rank
 
+    def check_fit(self, state: dict[str, Any]) -> None:
+        """Before training: this rank's snapshots, two steps of every local shard and of the buddy's,
+        fit the agent's cap (``agent.inprocess.snapshot_mib``), else ConfigError, one line naming
+        it.  A fresh optimizer has no state yet: the first capture checks again at its full size."""
+        if self.snapshots_on and self.client is not None:
+            self._fit(snapshot_nbytes(state))
+
+    def _fit(self, nbytes: int) -> None:
+        if nbytes <= self.fit_bytes:
+            return
+        try:
+            error = self.client.snap_fit(nbytes, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        except MemStateError as exc:  # the store unreachable: its pushes will fail and say so, as before
+            self.events.emit("snapshot.fit_unchecked", bytes=nbytes, error=str(exc)[:300])
+            return
+        if error is not None:
+            field, _, message = error.partition(": ")
+            raise ConfigError(field, message)
+        self.fit_bytes = nbytes
+
     def snapshot(self, step: int, state: dict[str, Any], extra: dict[str, Any], world: int,
                  deferred: bool = False) -> None:
         """Take this rank's snapshot of ``step`` and push it.  ``deferred``: the copy is taken on the
@@ -156,7 +181,7 @@ class InProcess:
         snapshot cost a step."""
         if not self.snapshots_on or not ab_snapshot_step(step, self.ab_block):
             return
-        if deferred and self.pusher is not None:
+        if deferred and self.pusher is not None and not self._device_copy:
             self.costs.deferred += 1
             self._pending_capture = True
             self.pusher.submit(lambda: self._capture(step, state, extra, world))
@@ -167,16 +192,26 @@ class InProcess:
         if self.pusher is not None:
             self.pusher.push(snap)
 
+    @property
+    def _device_copy(self) -> bool:
+        """GPU state: the capture only queues an asynchronous copy (elastic.checkpoint.snapshot.copy_path),
+        so it runs on the training thread; deferring it to the push thread would gain nothing."""
+        return self.device is not None and self.device.type == "cuda"
+
     def _capture(self, step: int, state: dict[str, Any], extra: dict[str, Any], world: int) -> Snapshot:
         t0, cpu0 = time.monotonic(), time.thread_time()
         snap = capture(state, step, self.gen, self.rank, world, extra, ring=self.ring)
+        if self.client is not None:
+            self._fit(snap.packed.flat.numel() if snap.packed is not None else 0)  # once it grows
         self.ring.add(snap)
         self.costs.capture_s.append(time.monotonic() - t0)
         self.costs.capture_cpu_s.append(time.thread_time() - cpu0)
         return snap
 
     def captured(self) -> None:
-        """Before the step changes any state a snapshot holds: the deferred copy is taken."""
+        """Before the step changes any state a snapshot holds: the deferred copy is taken (a GPU
+        copy: the step's stream waits for it on the device)."""
+        wait_copied(self.ring.newest())
         if self.pusher is None or not self._pending_capture:
             return
         t0 = time.monotonic()
@@ -188,6 +223,7 @@ class InProcess:
 
     def before_collectives(self) -> None:
         """The previous step's snapshot must be off-process before this step's last collectives."""
+        wait_copied(self.ring.newest())
         if self.pusher is not None:
             t0 = time.monotonic()
             self.pusher.wait()
@@ -345,6 +381,7 @@ class InProcess:
             got = self.client.snap_get(slot.node, slot.local_rank, step)
         except MemStateError as exc:
             self.events.emit("recovery.fetch_failed", slot=slot.key(), step=step, error=str(exc)[:300])
+            self.fetch_errors.append(f"{slot.key()} step {step}: {type(exc).__name__}: {exc}"[:300])
             return None
         return from_bytes(*got) if got is not None else None
 

@@ -250,6 +250,7 @@ class WorkerSession:
             if inproc.pusher is not None:
                 inproc.pusher.events = self.events
                 inproc.pusher.kill_during = lambda step: self.hooks.snapshot_kill(step)
+                inproc.pusher.corrupt_during = lambda step: self.hooks.snapshot_corrupt(step)
         self.ckpt = self._checkpoints() if checkpoints else None
         # The node screen runs while this worker builds and loads; the first step waits for it.
         self.screen = BackgroundScreen.from_env(int(os.environ.get("LOCAL_RANK", "0")))
@@ -402,6 +403,8 @@ class WorkerSession:
         each), and re-form in-process when a peer is lost; returns the final checksum."""
         run = build(self)
         step, run = self._start(build, run)
+        if self.inproc is not None and not self.inproc.joining:
+            self.inproc.check_fit(run.state())  # a cap too small stops the run here, not a fault later
         self.screen_gate()
         heap = HeapFreeze(self.events)
         try:
@@ -452,7 +455,14 @@ class WorkerSession:
 
     def _resume(self, run: Trainable) -> int:
         if self.inproc is not None and self.inproc.joining:
-            return self._restore_snapshots(run, time.monotonic(), start_event=True)
+            try:
+                return self._restore_snapshots(run, time.monotonic(), start_event=True)
+            except Exception as err:  # the spare says why too (its peers only hear that it failed)
+                if is_peer_failure(err) or self.inproc.latch.torn():
+                    raise  # a peer lost while it restored: it re-forms (_start), no failure to report
+                self.events.emit("trainer.recovery_failed", step=None, error=f"{type(err).__name__}: {err}"[:500],
+                                 snapshot_errors=self.inproc.fetch_errors[-4:])
+                raise
         loaded = self.resume(run.state())
         start = loaded[0] if loaded else 0
         self.emit_start(start, resumed=loaded is not None, **run.resumed(start, loaded[1] if loaded else None))
@@ -513,7 +523,8 @@ class WorkerSession:
                     self.events.emit("trainer.reform_retry", step=step, attempt=attempt, gen=self.inproc.latch.gen,
                                      error=f"{type(err).__name__}: {err}"[:300])
                     continue
-                self.events.emit("trainer.recovery_failed", step=step, error=f"{type(err).__name__}: {err}"[:500])
+                self.events.emit("trainer.recovery_failed", step=step, error=f"{type(err).__name__}: {err}"[:500],
+                                 snapshot_errors=self.inproc.fetch_errors[-4:])  # e.g. a checksum mismatch
                 raise RecoveryFailed(f"{type(err).__name__}: {err}") from err
         raise AssertionError("unreachable")
 
