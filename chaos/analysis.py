@@ -12,7 +12,7 @@ Per fault (one ``chaos.inject`` event):
   the step the next worker resumed from (0 if no worker restarted);
 * ``detection_s``: fault -> first detection event (an agent FAILED state,
   ``agent.hang_detected``, ``agent.rollback``, ``checkpoint.save_failed``,
-  ``agent.spare_failed`` for a dead spare);
+  ``agent.spare_failed`` for a dead spare, ``sdc.suspect`` for a flipped bit);
 * ``recovery_s``: fault -> first ``trainer.step`` of a worker started after
   the fault (None where the fault needs no restart).  A fault that does not
   restart workers by itself (a straggler, a spare kill, an etcd fault) owns
@@ -36,9 +36,10 @@ from typing import Any
 from chaos.injectors import REGISTRY, checkpoint_root
 from elastic.common.events import read_run_events
 from elastic.common.procs import alive
+from elastic.worker.faults import fired_records
 
 DETECTION_KINDS = ("agent.hang_detected", "agent.rollback", "checkpoint.save_failed", "leader.node_lost",
-                   "agent.spare_failed")
+                   "agent.spare_failed", "sdc.suspect")
 
 
 @dataclass
@@ -120,13 +121,14 @@ def _after(events: list[dict], ts: float, kind: str | tuple[str, ...]) -> list[d
     return [e for e in events if e.get("kind") in kinds and e.get("ts", 0) > ts]
 
 
-FILE_FAULTS = ("nan", "straggler", "ckpt_write_error")
+FILE_FAULTS = ("nan", "straggler", "ckpt_write_error", "sdc")
 
 
 def fault_metrics(events: list[dict], inject: dict, prev_ts: float | None = None,
-                  next_ts: float | None = None) -> dict[str, Any]:
-    """One fault's metrics; ``prev_ts`` / ``next_ts``: when the faults injected before and after it were."""
-    ts = _effective_ts(events, inject)
+                  next_ts: float | None = None, run_dir: Path | None = None) -> dict[str, Any]:
+    """One fault's metrics; ``prev_ts`` / ``next_ts``: when the faults injected before and after it were;
+    ``run_dir``: where a silent fault's record is (an ``sdc`` flip leaves no event)."""
+    ts = _effective_ts(events, inject, run_dir)
     if ts is None:
         # A planted fault the runtime never acted on: there is nothing to measure (and the
         # first start of the run is not a "restart" caused by it).
@@ -168,7 +170,7 @@ def fault_metrics(events: list[dict], inject: dict, prev_ts: float | None = None
     return out
 
 
-def _effective_ts(events: list[dict], inject: dict) -> float | None:
+def _effective_ts(events: list[dict], inject: dict, run_dir: Path | None = None) -> float | None:
     """When the fault took effect, or None if it never did.
 
     A file fault takes effect when a worker reports ``fault.fired`` for its
@@ -177,6 +179,9 @@ def _effective_ts(events: list[dict], inject: dict) -> float | None:
     """
     ts = inject.get("injected_ts", inject["ts"])
     detail = inject.get("detail", {})
+    if inject["fault"] == "sdc":
+        flip = _sdc_flip(run_dir, detail)
+        return flip["ts"] if flip else None
     if inject["fault"] in FILE_FAULTS:
         name = Path(detail.get("file", "")).name
         fired = [e for e in events if e.get("kind") == "fault.fired" and e.get("file") == name]
@@ -236,6 +241,8 @@ def check_run(run_dir: Path, expect: Expectation, baseline_checksum: str | None,
                          [f"step {s}: {'sha256 of every listed file matches COMMIT' if not why else why}"
                           for s, why in sorted(verdicts.items())][-4:]))
     for e in injects:
+        if e["fault"] == "sdc":
+            inv.append(_sdc_caught(run_dir, events, e))
         if e["fault"] == "corrupt_checkpoint":
             inv.append(_corruption_handled(events, e))
         if e["fault"] == "partition":
@@ -289,7 +296,7 @@ def check_run(run_dir: Path, expect: Expectation, baseline_checksum: str | None,
         t = e.get("injected_ts", e["ts"])
         return max((x for x in times if x < t), default=None), min((x for x in times if x > t), default=None)
 
-    metrics = [fault_metrics(events, e, *neighbours(e)) for e in injects]
+    metrics = [fault_metrics(events, e, *neighbours(e), run_dir=run_dir) for e in injects]
     inert = [f"{m['fault']}->{m['target']}" for m in metrics if not m["took_effect"]]
     inv.insert(1, Invariant("faults_took_effect", not inert,
                             "every injected fault took effect" if not inert else
@@ -340,6 +347,38 @@ def _partition_healed(events: list[dict], inject: dict) -> Invariant:
     return Invariant("partition_detected_and_healed", ok, detail, evidence(lost[:1] + healed[:1] + back[:1]))
 
 
+def _sdc_flip(run_dir: Path | None, detail: dict) -> dict | None:
+    """What an injected ``sdc`` fault flipped (its ``.fired`` record), or None if it never fired."""
+    if run_dir is None:
+        return None
+    name = Path(detail.get("file", "")).name
+    fired = [r["fired"] for r in fired_records(run_dir, "sdc") if r["file"] == name]
+    return fired[0] if fired else None
+
+
+def _sdc_caught(run_dir: Path, events: list[dict], inject: dict) -> Invariant:
+    """The flip was named: an ``sdc.suspect`` for its node and rank, at its step or a later check's."""
+    flip = _sdc_flip(run_dir, inject.get("detail", {}))
+    if flip is None:
+        return Invariant("sdc_detected", False, "the flip never fired (no .fired record): nothing to detect")
+    where = f"{flip['node']} rank {flip['rank']} at step {flip['step']}"
+    suspects = [e for e in events if e.get("kind") == "sdc.suspect" and e.get("ts", 0) >= flip["ts"]]
+    named = [e for e in suspects if e.get("node") == flip["node"] and e.get("step", -1) >= flip["step"]
+             and flip["rank"] in e.get("ranks", [e.get("rank")])]
+    if named:
+        e = named[0]
+        return Invariant("sdc_detected", True, f"flip in {where} named at the check of step {e['step']} "
+                                               f"(checksum {e['checksum']} vs majority {e['majority']})",
+                         evidence(named[:1]))
+    if suspects:
+        return Invariant("sdc_detected", False, f"flip in {where}; the wrong node was named: "
+                                                f"{[(e.get('node'), e.get('rank')) for e in suspects]}",
+                         evidence(suspects))
+    missing = [e for e in events if e.get("kind") == "sdc.no_majority"]
+    why = "no strict majority of groups (sdc.no_majority)" if missing else "no sdc.suspect event"
+    return Invariant("sdc_detected", False, f"flip in {where} not named: {why}", evidence(missing))
+
+
 def _corruption_handled(events: list[dict], inject: dict) -> Invariant:
     step = inject["detail"]["checkpoint_step"]
     ts = inject.get("injected_ts", inject["ts"])
@@ -365,10 +404,18 @@ def _corruption_handled(events: list[dict], inject: dict) -> Invariant:
 
 
 def _final_losses(events: list[dict]) -> dict[int, float]:
-    """Rank 0's losses as reported by the worker that finished (a rolled-back NaN step is not among them)."""
-    finishers = {e["pid"] for e in events if e.get("kind") == "trainer.done" and e.get("source") == "trainer/rank0"}
+    """Rank 0's losses as reported by the worker that finished (a rolled-back NaN step is not among them).
+
+    In replica-group mode every group's rank 0 (``trainer/<group>/rank0``) counts, committed attempts only
+    (an attempt undone after a lost peer or a failed agreement check trained nothing)."""
+    finishers = {e["pid"] for e in events if e.get("kind") == "trainer.done" and _rank0(e.get("source", ""))}
     return {e["step"]: float(e.get("loss", math.nan)) for e in events
-            if e.get("kind") == "trainer.step" and e.get("pid") in finishers}
+            if e.get("kind") == "trainer.step" and e.get("pid") in finishers and e.get("committed", True)}
+
+
+def _rank0(source: str) -> bool:
+    parts = source.split("/")
+    return parts[0] == "trainer" and parts[-1] == "rank0" and len(parts) in (2, 3)
 
 
 def _wait_gone(pids: set[int], timeout: float) -> set[int]:

@@ -3,6 +3,7 @@
     chaos suite --config examples/tiny.yaml --nodes 2 --quick
     chaos soak --config examples/tiny.yaml --nodes 4 --duration 10m --mtbf 60s
     chaos inject --etcd-endpoint HOST:PORT --run-id ID --node node1 kill_worker
+    chaos inject sdc --etcd-endpoint HOST:PORT --run-id ID --node node1 --step 40
     chaos run plan.yaml -- elastic-launch examples/tiny.yaml --nodes 3
     chaos list
 
@@ -62,6 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     inject.add_argument("--key-prefix", default="/elastic")
     inject.add_argument("--param", action="append", default=[], metavar="KEY=VALUE", help="fault parameter")
     inject.add_argument("--at-step", type=int, help="fire on the node's first step report at or after this step")
+    inject.add_argument("--step", type=int,
+                        help="the step a step fault hits (nan, ckpt_write_error, sdc); same as --param step=S")
     inject.add_argument("--no-token", action="store_true", help="send it unsigned (to see it refused)")
     inject.add_argument("--wait-s", type=float, default=30.0, help="wait this long for the agent's answer")
     sub.add_parser("list", help="the registered faults and their parameters")

@@ -1,6 +1,7 @@
 """``chaos inject``: deliver one fault to one node of a running run and print the agent's answer.
 
     chaos inject kill_worker --etcd-endpoint etcd0:2379 --run-id r1 --node node1 --config job.yaml
+    chaos inject sdc --etcd-endpoint etcd0:2379 --run-id r1 --node node1 --step 40 --config job.yaml
 
 The request is signed with the run token named by the job's ``security`` section (the same
 variable or file the nodes read), unless ``--no-token``.  Exit 0 when the agent executed it,
@@ -39,6 +40,16 @@ def _params(items: list[str]) -> dict:
     return out
 
 
+def _with_step(params: dict, step: int | None) -> dict:
+    if step is None:
+        return params
+    if step < 0:
+        raise ConfigError("--step", f"must be >= 0, got {step}")
+    if "step" in params and params["step"] != step:
+        raise ConfigError("--step", f"{step} disagrees with --param step={params['step']}")
+    return {**params, "step": step}
+
+
 def inject_once(args: argparse.Namespace) -> int:
     if args.fault not in ACTIONS:
         raise ConfigError("fault", f"unknown fault {args.fault!r} for delivery through etcd "
@@ -52,7 +63,7 @@ def inject_once(args: argparse.Namespace) -> int:
     state = RunState(EtcdStore(args.etcd_endpoint, retry_deadline=5.0), RunKeys.of(prefix, args.run_id))
     delivery = AgentDelivery(state, args.run_id, token)
     try:
-        posted = delivery.post(args.node, args.fault, _params(args.param), at_step=args.at_step,
+        posted = delivery.post(args.node, args.fault, _with_step(_params(args.param), args.step), at_step=args.at_step,
                                wait_s=max(args.wait_s, 1.0))
     except StoreError as exc:
         print(f"chaos: etcd error: {exc}", file=sys.stderr)

@@ -55,6 +55,8 @@ class Scenario:
     replay: bool = False
     """Compare with a fault-free replay that skips the batches this run skipped."""
     skipped: str = ""
+    uncovered: str = ""
+    """Why the job cannot pass this scenario at all (no SDC detection): reported failed, not run."""
 
 
 def _spec(fault: str, target: str, at_step: int | None = None, at_time_s: float | None = None,
@@ -62,10 +64,12 @@ def _spec(fault: str, target: str, at_step: int | None = None, at_time_s: float 
     return FaultSpec(fault, target, at_step, at_time_s, from_dict(REGISTRY[fault].Params, params), after, delay_s)
 
 
-def standard_scenarios(nodes: list[str], steps: int, interval: int) -> list[Scenario]:
-    """One scenario per fault kind, sized from the job's checkpoint interval and step count."""
+def standard_scenarios(nodes: list[str], steps: int, interval: int, check_every: int = 0) -> list[Scenario]:
+    """One scenario per fault kind, sized from the job's checkpoint interval, step count and SDC check."""
     first, last = nodes[1], nodes[-1]
     ckpt = interval * 2  # a step with a committed checkpoint before it and after it
+    # A step the agreement check covers before the next step's gradients are shared (kept bitwise).
+    flip = -(-ckpt // check_every) * check_every if check_every else ckpt
 
     def ex(**kw: Any) -> Expectation:
         return Expectation(steps=steps, **kw)
@@ -95,6 +99,9 @@ def standard_scenarios(nodes: list[str], steps: int, interval: int) -> list[Scen
                     note="compared with a fault-free replay that skips the same batches"), replay=True),
         Scenario("ckpt_write_error", [_spec("ckpt_write_error", nodes[0], at_time_s=0, step=ckpt)],
                  ex(required_events=["checkpoint.save_failed"])),
+        # Silent: passes only when the flip is named (the sdc_detected invariant) and healed bitwise.
+        Scenario("sdc", [_spec("sdc", first, at_time_s=0, step=flip, rank=0)],
+                 ex(required_events=["sdc.suspect"], note="one bit of node1's gradient shard flipped")),
         # A dead spare must be noticed and replaced before the node's next worker death needs one.
         Scenario("kill_spare", [_spec("kill_spare", first, at_step=interval + 2),
                                 _spec("kill_worker", first, at_step=interval + 2, after=0, delay_s=2.0)], ex()),
@@ -217,6 +224,16 @@ def _applicable(scenario: Scenario, cfg: SuiteConfig, job: Job) -> str:
     return ""
 
 
+def sdc_uncovered(cfg: RunConfig, nodes: int) -> str:
+    """Why this job cannot catch a silent flip ("" when it can): the sdc scenario then fails, unrun."""
+    if not cfg.replicas.enabled or not cfg.sdc.agreement:
+        return ("not covered: the job has no SDC detection (it needs replicas.enabled with sdc.check_every > 0; "
+                "replay verification is not built)")
+    if nodes < 3:
+        return f"not covered: {nodes} replica groups hold no majority to name a suspect by (needs 3)"
+    return ""
+
+
 def _run_id(job: Job, name: str, stamp: str) -> str:
     return f"{job.cfg.run.id}-{name}-{stamp}"[:64]
 
@@ -263,7 +280,7 @@ def check(entry: dict[str, Any], outcome: ClusterOutcome, expect: Expectation,
 
 
 def _choose(cfg: SuiteConfig, job: Job, quick: bool) -> tuple[list[Scenario], list[Scenario]]:
-    scenarios = standard_scenarios(job.nodes, job.steps, job.interval)
+    scenarios = standard_scenarios(job.nodes, job.steps, job.interval, job.cfg.sdc.check_every)
     wanted = cfg.only or (QUICK if quick else tuple(s.name for s in scenarios))
     unknown = sorted(set(wanted) - {s.name for s in scenarios})
     if unknown:
@@ -271,7 +288,19 @@ def _choose(cfg: SuiteConfig, job: Job, quick: bool) -> tuple[list[Scenario], li
     chosen = [s for s in scenarios if s.name in wanted]
     for s in chosen:
         s.skipped = _applicable(s, cfg, job)
+        if s.name == "sdc" and not s.skipped:
+            s.uncovered = sdc_uncovered(job.cfg, len(job.nodes))
     return [s for s in chosen if not s.skipped], [s for s in chosen if s.skipped]
+
+
+def uncovered_result(s: Scenario) -> dict[str, Any]:
+    """A scenario the job cannot pass, reported as failed with the reason (never as passed or skipped)."""
+    inv = {"name": "sdc_detected", "ok": False, "detail": s.uncovered, "evidence": []}
+    return {"name": s.name, "run_dir": None, "plan": [f.describe() for f in s.faults], "timed_out": False,
+            "elapsed_s": 0.0, "node_rcs": {}, "skip_ranges": [], "reference": None, "not_covered": s.uncovered,
+            "result": {"ok": False, "invariants": [inv], "faults": [], "launcher_rc": None, "last_step": 0,
+                       "restarts": None, "final_checksum": None, "wall_s": 0.0, "productive_s": 0.0,
+                       "goodput": 0.0}}
 
 
 def needs_baseline(runnable: list[Scenario]) -> bool:
@@ -313,12 +342,13 @@ def run_suite(cfg: SuiteConfig, quick: bool = False, echo=print) -> dict[str, An
 
     cfg.out_dir.mkdir(parents=True, exist_ok=True)
     job = resolve_job(cfg)
-    runnable, skipped = _choose(cfg, job, quick)
+    chosen, skipped = _choose(cfg, job, quick)
+    runnable, uncovered = [s for s in chosen if not s.uncovered], [s for s in chosen if s.uncovered]
     stamp = f"{int(time.time()) % 1000000:06d}"
     t0 = time.monotonic()
     echo(f"chaos suite: {job.config.name} ({job.cfg.workload().name if job.cfg.workload() else 'custom'}), "
          f"{'baseline + ' if needs_baseline(runnable) else ''}{len(runnable)} scenarios on {len(job.nodes)} nodes, {job.steps} steps, checkpoint every "
-         f"{job.interval}; {len(skipped)} skipped")
+         f"{job.interval}; {len(skipped)} skipped" + (f", {len(uncovered)} not covered" if uncovered else ""))
     done = _launch_all(cfg, job, runnable, stamp, echo)
     results, replays, reference = [], [], None
     if "baseline" in done:
@@ -329,6 +359,9 @@ def run_suite(cfg: SuiteConfig, quick: bool = False, echo=print) -> dict[str, An
         ref, replay = _reference(s, done, reference, cfg, job, stamp, echo)
         replays += [replay] if replay else []
         results.append({**check(*done[s.name], s.expect, ref), "reference": "replay" if replay else "baseline"})
+    for s in uncovered:
+        echo(f"  {s.name}: {s.uncovered}")
+        results.append(uncovered_result(s))
     failed = [r["name"] for r in results if not r["result"]["ok"]]
     report = {"job": str(job.config), "workload": job.cfg.workload().name if job.cfg.workload() else "custom",
               "nodes": len(job.nodes), "steps": job.steps, "checkpoint_interval": job.interval, "sets": cfg.sets,
@@ -338,7 +371,7 @@ def run_suite(cfg: SuiteConfig, quick: bool = False, echo=print) -> dict[str, An
               "skipped": [{"name": s.name, "reason": s.skipped} for s in skipped], "replays": replays,
               "elapsed_s": round(time.monotonic() - t0, 1), "scenarios": results}
     write_json(report, cfg.out_dir / "report.json")
-    plot_timeline(results, cfg.out_dir / "timeline.png")
+    plot_timeline([r for r in results if r["run_dir"]], cfg.out_dir / "timeline.png")  # a run to draw
     html = write_suite_html(report, cfg.out_dir / "report.html", cfg.out_dir / "timeline.png")
     echo(format_table(results))
     for s in skipped:

@@ -77,6 +77,42 @@ class NanLoss(Injector):
         return self._record(ctx, file=str(path), spec=spec)
 
 
+@dataclass(kw_only=True)
+class SdcParams:
+    step: int | None = None
+    """Step whose gradients get the flip; default: the step after the newest one seen.  For the
+    cross-replica check to keep the run bitwise, a step it checks (a multiple of sdc.check_every)."""
+    rank: int | None = None
+    """Rank (within the node's group in replica mode) whose shard is hit; default: the first to claim it."""
+    bit: int | None = None
+    """Mantissa bit to flip; default: the top one (fp32 bit 22), which always moves the weights."""
+
+
+@register("sdc")
+class SilentCorruption(Injector):
+    """One bit of one rank's gradient shard flipped after backward, silently (silent data corruption).
+
+    An ``sdc`` fault file: fires once, emits no event; what it flipped goes into its ``.fired`` file."""
+
+    Params = SdcParams
+    needs_run = False
+    restarts_workers = False
+
+    def inject(self, ctx: InjectionContext) -> InjectionRecord:
+        step = self.params.step if self.params.step is not None else _fault_step(ctx, None)
+        spec: dict[str, Any] = {"kind": "sdc", "step": step}
+        node, rank = parse_target(self.target)
+        if node is not None:
+            spec["node"] = node
+        if rank is not None:
+            spec["rank"] = rank
+        for name in ("rank", "bit"):
+            if getattr(self.params, name) is not None:
+                spec[name] = getattr(self.params, name)
+        path = write_fault(ctx.run_dir, f"chaos-sdc-{step}", spec)
+        return self._record(ctx, file=str(path), spec=spec)
+
+
 @register("ckpt_write_error")
 class CheckpointWriteError(Injector):
     """One checkpoint save fails with ENOSPC (``ckpt_write_error`` fault file, fires once)."""

@@ -27,7 +27,9 @@ The shape of a trainer (``docs/workloads.md`` walks through one)::
             loss = session.loss(step, ...)  # the loss (NaN where a nan_loss fault says so)
             nan_guard(session, step, loss)  # non-finite on any rank: every rank rolls back
             session.commit_point()          # before the step's last collectives
-            ...                             # backward, optimizer step
+            ...                             # backward
+            silent_fault(session, step, self.model)  # an sdc chaos fault flips a gradient bit here
+            ...                             # optimizer step
             self.train_state.step = step
             session.end_step(step, float(loss))
 
@@ -65,6 +67,7 @@ from elastic.worker.session import (NumericsRollback, StopTraining, Trainable, W
 __all__ = [
     "ConfigError", "Loop", "NumericsRollback", "RunConfig", "SnapshotStateDict", "StopTraining", "Trainable",
     "TrainState", "WorkerSession", "dump_run_file", "exit_process", "load_run_file", "nan_guard", "run_worker",
+    "silent_fault",
 ]
 
 
@@ -141,3 +144,19 @@ def nan_guard(session: WorkerSession, step: int, loss: torch.Tensor) -> None:
     session.events.emit("trainer.numerics", step=step, reason="non-finite loss")
     session.agent.report_numerics(step, "non-finite loss")
     raise NumericsRollback(step, "non-finite loss")
+
+
+def silent_fault(session: WorkerSession, step: int, model: nn.Module) -> None:
+    """Where an ``sdc`` chaos fault says so, flip one bit of this rank's gradient shard, silently.
+
+    Call it after backward (and after any cross-replica average of the gradients), before the
+    optimizer step.  No event: the runtime has to find the flip by itself (``sdc.check_every``);
+    what was flipped goes into the fault's ``.fired`` file only (chaos's ground truth)."""
+    fault = session.hooks.sdc(step)
+    if fault is None:
+        return
+    from elastic.sdc.flip import flip_in_grads
+
+    spec = fault.spec
+    flip = flip_in_grads(list(model.parameters()), int(spec.get("param", 0)), spec.get("element"), spec.get("bit"))
+    session.hooks.sdc_fired(fault, step, flip.record())

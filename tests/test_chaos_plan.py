@@ -19,7 +19,7 @@ def test_every_catalogue_fault_is_registered():
     assert set(REGISTRY) == {
         "kill_worker", "kill_agent", "hang_worker", "straggler", "nan", "corrupt_checkpoint", "ckpt_write_error",
         "etcd_outage", "bad_hardware", "kill_during_rendezvous", "kill_during_checkpoint", "etcd_latency", "partition",
-        "kill_spare", "kill_during_recovery", "etcd_member_stop",
+        "kill_spare", "kill_during_recovery", "etcd_member_stop", "sdc",
     }
 
 

@@ -116,3 +116,34 @@ def test_chaos_run_with_a_plan_file(tmp_path, subprocess_env):
     fault = report["result"]["faults"][0]
     assert fault["restarted"] and fault["resume_step"] in (4, 8)
     assert (run_dir / "chaos" / "timeline.png").exists()
+
+
+def _sdc_suite(out: Path, env: dict, config: str, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
+    proc = subprocess.run([sys.executable, "-m", "chaos", "suite", "--config", str(REPO / "examples" / config),
+                           "--out", str(out), "--only", "sdc", *args], env=env, capture_output=True, text=True,
+                          timeout=600)
+    return proc, json.loads((out / "report.json").read_text())
+
+
+@pytest.mark.timeout(60)
+def test_the_sdc_scenario_fails_honestly_on_a_job_that_cannot_catch_a_flip(tmp_path, subprocess_env):
+    proc, report = _sdc_suite(tmp_path / "suite", subprocess_env, "tiny.yaml")
+    assert proc.returncode == 1 and not report["ok"] and report["failed"] == ["sdc"], proc.stdout
+    [sdc] = report["scenarios"]
+    assert sdc["run_dir"] is None and "no SDC detection" in sdc["not_covered"]  # not run: nothing to prove
+    assert [i["name"] for i in sdc["result"]["invariants"] if not i["ok"]] == ["sdc_detected"]
+    assert "not covered" in proc.stdout
+
+
+# Long tier (pytest -m soak): tests/test_sdc_replicas.py runs the same detection and heal in ~25 s.
+@pytest.mark.soak
+@pytest.mark.timeout(600)
+def test_the_sdc_scenario_on_the_replica_dit_job(tmp_path, subprocess_env):
+    proc, report = _sdc_suite(tmp_path / "suite", subprocess_env, "dit-replicas.yaml", "--steps", "30",
+                              "--set", "sdc.check_every=5", "--set", "replicas.min_replicas=3")
+    assert proc.returncode == 0 and report["ok"], (_failed(report), proc.stdout[-3000:], proc.stderr[-3000:])
+    sdc = {s["name"]: s for s in report["scenarios"]}["sdc"]
+    invariants = {i["name"]: i for i in sdc["result"]["invariants"]}
+    assert invariants["sdc_detected"]["ok"] and "node1 rank 0 at step 20" in invariants["sdc_detected"]["detail"]
+    assert invariants["weights_bitwise_equal"]["ok"]
+    assert sdc["result"]["faults"][0]["detected_by"] == "sdc.suspect"

@@ -21,7 +21,10 @@ Per step attempt:
    step (no optimizer update anywhere) while still committing it, so the bad batch is consumed.
 5. **Vote** (``should_commit``): only a committed step moves the optimizer, the sampler and the
    guard; an attempt that does not commit (a peer died during it) is undone and retried.
-6. **Disk checkpoint**: the group of quorum rank 0 saves committed steps on the checkpoint
+6. **Agreement** (``sdc.check_every``, off by default): on a committed step it names, the groups
+   compare CRC32s of their parameter shards (:mod:`trainer.agreement`); a group in the minority is
+   named (``sdc.suspect``), does not save, and heals from a live peer at the next quorum.
+7. **Disk checkpoint**: the group of quorum rank 0 saves committed steps on the checkpoint
    interval (and the last step) through the worker session's CheckpointManager, on the group's
    own gloo group; the other groups skip.  Each group owns its temporary directories.  When
    every group died, each restarts from the newest committed checkpoint (model, optimizer,
@@ -44,6 +47,7 @@ import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from elastic.api import WorkerSession, dump_run_file, run_worker
+from trainer.agreement import AgreementCheck, CheckOutcome
 from trainer.data import GlobalSampler
 from trainer.dit_config import DiTTrainerConfig
 from trainer.dit_train import RESOLVED_CONFIG_NAME, DiTRun
@@ -90,6 +94,7 @@ class ReplicaDiTRun(DiTRun):
         self.manager: Any = None
         self.finished = RunFinished()
         self.sync_s = 0.0
+        self.agreement = AgreementCheck(session.cfg.sdc, session, self.replica_id)
 
     def state(self) -> dict[str, Any]:
         return {"app": self.train_state, "ft": self.ft_step}
@@ -130,10 +135,24 @@ class ReplicaDiTRun(DiTRun):
         indices, weight, bounds = GlobalSampler.group_slice(batch, group, groups, self.dp_rank, self.dp)
         verdict, loss, norm = self.judge(step, indices, weight)
         committed = self.vote(step, verdict, undo)
+        check = self.check_agreement(step) if committed else None
         self.record(step, committed, verdict, loss, norm, bounds, batch, group)
-        if committed and group == 0:
-            self.save(step)
+        if committed and group == 0 and not (check is not None and check.suspect):
+            self.save(step)  # a suspect writer's weights are bad: the next interval's save is the next one
+        AgreementCheck.heal(self.manager, check)
         return True
+
+    def check_agreement(self, step: int) -> CheckOutcome | None:
+        """The cross-replica check of the weights just committed, when due (``sdc.check_every``): before
+        they are saved and before the next step's gradients are shared, so bad weights reach no one."""
+        if not self.agreement.due(step, self.last_step, self.manager.num_participants()):
+            return None
+        t0 = time.monotonic()
+        outcome = self.agreement.run(self.manager, self.model, step)
+        self.session.waited(time.monotonic() - t0)
+        if outcome is None:
+            release_peers(self.manager)  # a peer was lost in the check: as after a failed allreduce
+        return outcome
 
     def judge(self, step: int, indices: list[int], weight: float) -> tuple[Verdict, float, float]:
         """Forward/backward and the guard's verdict on the averaged loss and grad norm."""

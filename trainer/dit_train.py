@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from elastic.api import (ConfigError, NumericsRollback, SnapshotStateDict, WorkerSession, dump_run_file,
-                         exit_process, run_worker)
+                         exit_process, run_worker, silent_fault)
 from trainer.data import GlobalSampler, build_dataset, collate
 from trainer.dit import DiT, build_dit
 from trainer.dit_config import DiTTrainerConfig
@@ -269,6 +269,8 @@ class DiTRun:
         dist.all_reduce(global_loss, op=dist.ReduceOp.AVG)
         self.average_replicas(global_loss)
         self.grad_norm = global_grad_norm(self.model)
+        # After the replicas' average and the norm: a flip here reaches only this rank's shard.
+        silent_fault(self.session, step, self.model)
         return float(global_loss), float(self.grad_norm)
 
     def average_replicas(self, loss: torch.Tensor) -> None:

@@ -176,6 +176,17 @@ def ckpt_write_error(view: NodeView, params: dict[str, Any]) -> dict[str, Any]:
     return _fault_file(view, f"ckpt-write-{step}", {"kind": "ckpt_write_error", "step": step})
 
 
+def sdc(view: NodeView, params: dict[str, Any]) -> dict[str, Any]:
+    """One bit flipped in one gradient shard of this node's workers at a step (silent: no event)."""
+    step = _future_step(view, params)
+    spec: dict[str, Any] = {"kind": "sdc", "step": step}
+    for name in ("rank", "bit", "param", "element"):
+        value = _int(params, name)
+        if value is not None:
+            spec[name] = value
+    return _fault_file(view, f"sdc-{step}", spec)
+
+
 def kill_agent(view: NodeView, params: dict[str, Any]) -> dict[str, Any]:
     """The node is lost: the agent records what it does, then kills its tree and itself."""
     return {"pids": [os.getpid()], "workers": [w["pid"] for w in view.workers.values()], "kill_self": True}
@@ -185,6 +196,6 @@ ACTIONS: dict[str, Action] = {
     "kill_worker": kill_worker, "hang_worker": hang_worker, "kill_agent": kill_agent,
     "kill_during_rendezvous": kill_during_rendezvous, "kill_during_checkpoint": kill_during_checkpoint,
     "corrupt_checkpoint": corrupt_checkpoint, "bad_hardware": bad_hardware, "straggler": straggler,
-    "nan": nan, "ckpt_write_error": ckpt_write_error,
+    "nan": nan, "ckpt_write_error": ckpt_write_error, "sdc": sdc,
 }
 NEEDS_WORKERS = frozenset({"kill_worker", "hang_worker", "kill_during_checkpoint"})

@@ -16,6 +16,7 @@ are rejected with a one-line :class:`ConfigError` naming the dotted field path.
                  passed through unread for a custom launch.entrypoint
     tensorboard: elastic.worker.scalars.TensorBoardConfig
     replicas:    elastic.replicas.config.ReplicaConfig (torchft replica-group mode)
+    sdc:         elastic.sdc.config.SdcConfig (silent data corruption checks)
 
 :func:`load_run_file` is the one reader: the launcher, the agents, the trainers, chaos and
 the benchmarks all read a run file through it.
@@ -40,6 +41,7 @@ from elastic.control.etcd_security import EtcdClientConfig
 from elastic.replicas.config import ReplicaConfig
 from elastic.run import workloads
 from elastic.run.workloads import Workload
+from elastic.sdc.config import SdcConfig
 from elastic.worker.scalars import TensorBoardConfig
 
 DEFAULT_WORKLOAD = "mlp"
@@ -145,6 +147,8 @@ class RunConfig:
     tensorboard: TensorBoardConfig = field(default_factory=TensorBoardConfig)
     """Trainer scalars for TensorBoard (rank 0); outside ``trainer`` so it is not in the fingerprint."""
     replicas: ReplicaConfig = field(default_factory=ReplicaConfig)
+    sdc: SdcConfig = field(default_factory=SdcConfig)
+    """Silent-data-corruption checks (cross-replica agreement in replica-group mode)."""
     fingerprint: str = ""
     """Set by the launcher: hash of what defines the training state (checkpoints from other configs are foreign)."""
 
@@ -157,6 +161,7 @@ class RunConfig:
         elif workload is None and not isinstance(self.trainer, dict):
             self.trainer = to_dict(self.trainer)
         self._check_replicas(workload)
+        self._check_sdc(workload)
 
     def workload(self) -> Workload | None:
         """The registered workload this run trains, or None for a custom entrypoint."""
@@ -189,6 +194,16 @@ class RunConfig:
             raise ConfigError("replicas.min_replicas", f"{self.replicas.min_replicas} exceeds the "
                               f"{self.launch.max_nodes} replica groups launch.nodes allows (one group per node)")
         self._check_timeout_ladder()
+
+    def _check_sdc(self, workload: Workload | None) -> None:
+        """An SDC check that cannot run is an error, not a silent no-op."""
+        if not self.sdc.agreement:
+            return
+        if not self.replicas.enabled:
+            raise ConfigError("sdc.check_every", "compares replica groups: needs replicas.enabled")
+        if workload is not None and workloads.SDC_AGREEMENT not in workload.capabilities:
+            raise ConfigError("sdc.check_every", f"workload {workload.name!r} has no cross-replica agreement "
+                                                 f"check (it is in the dit workload's replica trainer)")
 
     def _check_timeout_ladder(self) -> None:
         """Replica-group mode's timeouts must rise: Lighthouse heartbeat < quorum < collective < hang.

@@ -23,6 +23,8 @@ REPLICAS = "replicas"
 """Capability: the workload has a torchft replica-group entry point."""
 INPROCESS = "inprocess"
 """Capability: the trainer runs in a WorkerSession loop that can re-form its world in-process."""
+SDC_AGREEMENT = "sdc_agreement"
+"""Capability: its replica entry point runs the cross-replica agreement check (``sdc.check_every``)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,6 +41,8 @@ class Workload:
     """Module that speaks torchft, run instead of ``entry`` when ``replicas.enabled``."""
     inprocess: bool = False
     """Its trainer drives its steps through ``WorkerSession.train`` (in-process recovery works)."""
+    sdc_agreement: bool = False
+    """Its replica entry point compares the groups' parameter checksums (``sdc.check_every``)."""
     check_world: Callable[[Any, int], None] | None = None
     """Raises ConfigError (path relative to ``trainer``) for a world size the config cannot use."""
     check_replicas: Callable[[Any, int, int], None] | None = None
@@ -47,7 +51,8 @@ class Workload:
 
     @property
     def capabilities(self) -> frozenset[str]:
-        return frozenset(name for name, on in ((REPLICAS, bool(self.replica_entry)), (INPROCESS, self.inprocess)) if on)
+        return frozenset(name for name, on in ((REPLICAS, bool(self.replica_entry)), (INPROCESS, self.inprocess),
+                                               (SDC_AGREEMENT, self.sdc_agreement)) if on)
 
     def argv(self, replicas: bool) -> list[str]:
         return ["-m", self.replica_entry if replicas else self.entry]

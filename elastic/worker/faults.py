@@ -12,6 +12,7 @@ writes the same files on the target node)::
     {"kind": "ckpt_write_error", "step": 10}               # the checkpoint writer raises ENOSPC
     {"kind": "snapshot_kill", "rank": 1, "step": 12}       # SIGKILL itself halfway through the step's snapshot push
     {"kind": "snapshot_corrupt", "rank": 1, "from_step": 5}  # change a byte of each stored snapshot after its checksum
+    {"kind": "sdc", "node": "node1", "rank": 0, "step": 6, "bit": 22}  # flip one gradient bit, silently
 
 ``rank`` may be omitted (every rank) or be a list; ``node`` (a node id, or a
 list) restricts a fault to the workers of that node, whatever ranks they get. A fault with ``"once": true``
@@ -22,6 +23,10 @@ runs clean, which is what a transient fault looks like.
 Trainers call :meth:`FaultHooks.before_step` and :meth:`FaultHooks.loss` each
 step; without a faults directory every call is a cheap no-op (one stat per
 ``poll_s``).
+
+An ``sdc`` fault is silent: it emits no ``fault.fired`` event (the runtime must find the flip by
+itself).  What it did is written into its ``*.fired`` file instead (:meth:`FaultHooks.sdc_fired`),
+where chaos reads it back as ground truth (:func:`fired_records`).
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ from elastic.common.env import NODE_ID_ENV
 
 FAULTS_DIR = "faults"
 ONCE_BY_DEFAULT = {"nan_loss": True, "hang": True, "exit": True, "ckpt_write_error": True, "straggle": False,
-                   "snapshot_kill": True, "block": True, "snapshot_corrupt": False}
+                   "snapshot_kill": True, "block": True, "snapshot_corrupt": False, "sdc": True}
 KINDS = frozenset(ONCE_BY_DEFAULT)
 
 
@@ -106,6 +111,19 @@ def load_faults(run_dir: str | os.PathLike[str]) -> list[Fault]:
     return faults
 
 
+def fired_records(run_dir: str | os.PathLike[str], kind: str) -> list[dict[str, Any]]:
+    """Fired faults of ``kind`` with what they did (``fired``), oldest first: chaos's ground truth."""
+    out = []
+    for path in sorted((Path(run_dir) / FAULTS_DIR).glob("*.fired")):
+        try:
+            spec = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        if spec.get("kind") == kind and "fired" in spec:
+            out.append({**spec, "file": path.with_suffix(".json").name})
+    return sorted(out, key=lambda s: s["fired"].get("ts", 0))
+
+
 class FaultHooks:
     """Per-worker view of the run's fault files."""
 
@@ -167,6 +185,26 @@ class FaultHooks:
             return value * math.nan  # a tensor stays a tensor, with its graph
         except TypeError:
             return math.nan
+
+    def sdc(self, step: int) -> Fault | None:
+        """The ``sdc`` fault of this rank at ``step``, if any (claimed: it fires on one rank, once)."""
+        for fault in self._matching("sdc", step):
+            fired = fault.path.with_suffix(".fired")
+            try:
+                fault.path.rename(fired)
+            except OSError:
+                continue  # another rank of the targeted set claimed it
+            self._next_poll = 0.0
+            return Fault(fired, fault.kind, fault.spec)
+        return None
+
+    def sdc_fired(self, fault: Fault, step: int, record: dict[str, Any]) -> None:
+        """Write what the flip did into the fault's ``.fired`` file: the only trace it leaves."""
+        done = {**fault.spec, "fired": {"step": step, "rank": self.rank, "node": self.node, "ts": time.time(),
+                                        **record}}
+        tmp = fault.path.with_name(f".{fault.path.name}.tmp")
+        tmp.write_text(json.dumps(done))
+        tmp.rename(fault.path)
 
     def checkpoint_write_error(self, step: int) -> OSError | None:
         """An ENOSPC error to raise from the checkpoint write of ``step``, if a fault says so."""
