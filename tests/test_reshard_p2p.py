@@ -52,7 +52,8 @@ def _cfg() -> DiTTrainerConfig:
 def _session(world: int, inproc: object | None) -> SimpleNamespace:
     """What DiTRun reads of a WorkerSession (and its steps call)."""
     return SimpleNamespace(cfg=SimpleNamespace(trainer=_cfg()), device=torch.device("cpu"), world=world,
-                           inproc=inproc, loss=lambda step, value: value, commit_point=lambda: None)
+                           inproc=inproc, loss=lambda step, value: value, commit_point=lambda: None,
+                           hooks=SimpleNamespace(sdc=lambda step: None))
 
 
 def _train(run: DiTRun, steps: int) -> None:
