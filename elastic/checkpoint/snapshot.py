@@ -379,6 +379,7 @@ class SnapshotPusher:
         self.push_s: list[float] = []  # each push's duration on the background thread (stats())
         self.push_cpu_s: list[float] = []  # and that thread's CPU time for it
         self.capture_s: list[float] = []  # each deferred capture's duration on this thread
+        self.done_at: list[float] = []  # when each job was done (stored or failed), monotonic: the moment a wait() ends
 
     def push(self, snapshot: Snapshot) -> None:
         self.submit(lambda: snapshot)
@@ -426,6 +427,7 @@ class SnapshotPusher:
             finally:
                 with self._cond:
                     self._job, self._captured = None, True
+                    self.done_at.append(time.monotonic())
                     self._cond.notify_all()
 
     def _take(self, job: Callable[[], Snapshot]) -> Snapshot | None:
