@@ -396,6 +396,12 @@ def _corruption_handled(events: list[dict], inject: dict) -> Invariant:
     if not loads:
         return Invariant("corrupt_checkpoint_skipped", False,
                          f"no load happened while step {step} was corrupt: the check proved nothing")
+    if all(e["step"] > step for e in loads):
+        # A newer commit came first (a soak's corruption, then minutes of training before a disk
+        # restore): the damaged step was never the newest when a load chose, so none could take it.
+        return Invariant("corrupt_checkpoint_skipped", True,
+                         f"step {step} never a load's choice: the loads after it read newer step(s) "
+                         f"{sorted({e['step'] for e in loads})}", evidence(loads[:1]))
     if not skipped:
         return Invariant("corrupt_checkpoint_skipped", False, f"step {step} not reported as skipped")
     return Invariant("corrupt_checkpoint_skipped", True,

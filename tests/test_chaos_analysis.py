@@ -135,3 +135,24 @@ def test_a_corruption_no_load_read_is_unproven_unless_recovery_was_in_process(tm
     result = check_run(run2, Expectation(steps=10, bitwise=False), None, launcher_rc=0, orphan_wait_s=0.1)
     verdict = next(i for i in result["invariants"] if i["name"] == "corrupt_checkpoint_skipped")
     assert verdict["ok"] and "in-process" in verdict["detail"], verdict
+
+
+def test_a_corruption_superseded_before_any_load_is_not_a_missed_skip(tmp_path):
+    """Soak seed 1 (2026-12-05): step 920 corrupted, recovered in-process, then a disk restore at
+    step 2280 long after 920 was rotated out: that load could never have chosen 920."""
+    corrupt = ev(7.5, "chaos.inject", "chaos", P + 99, fault="corrupt_checkpoint", target="node0", pids=[], step=7,
+                 detail={"checkpoint_step": 4}, injected_ts=T0 + 7.5)
+    summary = {"last_step": 10, "final_checksum": "c", "wall_s": 30.0, "nodes": {}}
+
+    def verdict_with(*loads: int) -> dict:
+        events = killed_run() + [corrupt] + [ev(9.0 + i * 0.1, "checkpoint.loaded", "trainer/rank0", P + 10, step=s,
+                                                path=f"/c/step-{s}") for i, s in enumerate(loads)]
+        run = write_run(tmp_path / "-".join(map(str, loads)), events, summary)
+        result = check_run(run, Expectation(steps=10, bitwise=False), None, launcher_rc=0, orphan_wait_s=0.1)
+        return next(i for i in result["invariants"] if i["name"] == "corrupt_checkpoint_skipped")
+
+    newer = verdict_with(8)
+    assert newer["ok"] and "newer step(s) [8]" in newer["detail"], newer
+    assert not verdict_with(4)["ok"]  # the damaged step itself loaded
+    older = verdict_with(8, 2)  # a load passed over it without saying so
+    assert not older["ok"] and "not reported as skipped" in older["detail"], older
