@@ -122,8 +122,10 @@ class CheckpointWriteError(Injector):
     restarts_workers = False
 
     def inject(self, ctx: InjectionContext) -> InjectionRecord:
+        # Without a step: the first save from two steps on (a step from the clock is rarely a save's).
         step = self.params.step if self.params.step is not None else _fault_step(ctx, None)
-        spec = {"kind": "ckpt_write_error", "step": step}
+        when = "step" if self.params.step is not None else "from_step"
+        spec = {"kind": "ckpt_write_error", when: step}
         path = write_fault(ctx.run_dir, f"chaos-ckpt-write-{step}", spec)
         return self._record(ctx, file=str(path), spec=spec)
 

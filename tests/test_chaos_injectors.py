@@ -311,6 +311,28 @@ def test_ckpt_write_error_fault_hands_the_writer_an_enospc(tmp_path):
     assert isinstance(err, OSError) and err.errno == 28
 
 
+def test_ckpt_write_error_without_a_step_fails_the_first_save_from_two_steps_on(tmp_path):
+    """Soak seed 2 (2026-12-05): planted for step 642 with saves every 10 steps, it never fired.
+    From the clock it now fails the first save at or after its step, once, on both paths."""
+    from elastic.agent.fault_actions import ACTIONS, NodeView
+
+    injector("ckpt_write_error", "any").inject(make_ctx(tmp_path))  # the run is at step 0: from step 2
+    hooks = FaultHooks(tmp_path, rank=0)
+    assert hooks.checkpoint_write_error(1) is None
+    assert isinstance(hooks.checkpoint_write_error(10), OSError)  # the first save from step 2
+    assert hooks.checkpoint_write_error(20) is None  # once
+    agent_dir = tmp_path / "agent"
+    view = NodeView("node2", agent_dir, agent_dir / "ckpt", step=640)
+    done = ACTIONS["ckpt_write_error"](view, {})
+    assert done["spec"] == {"kind": "ckpt_write_error", "from_step": 642, "node": "node2"}
+    node2 = FaultHooks(agent_dir, rank=0, node="node2")
+    assert node2.checkpoint_write_error(642) is not None  # a save at 642 (any interval) would fail
+    asked = ACTIONS["ckpt_write_error"](NodeView("node2", tmp_path / "b", tmp_path / "b" / "ckpt", step=640),
+                                        {"step": 650})
+    assert asked["spec"] == {"kind": "ckpt_write_error", "step": 650, "node": "node2"}
+    assert FaultHooks(tmp_path / "b", rank=0, node="node2").checkpoint_write_error(650) is not None
+
+
 def test_bad_hardware_writes_the_nodes_diag_overlay(tmp_path):
     inj = injector("bad_hardware", "node2", readings={"gpu": {0: {"ecc_uncorrected_volatile": 4}}})
     record = inj.inject(make_ctx(tmp_path))

@@ -401,8 +401,7 @@ class WorkerSession:
     def train(self, build: Callable[[WorkerSession], Trainable]) -> str:
         """Build the trainer for this world, resume, run every step (saving and snapshotting after
         each), and re-form in-process when a peer is lost; returns the final checksum."""
-        run = build(self)
-        step, run = self._start(build, run)
+        step, run = self._start(build)
         if self.inproc is not None and not self.inproc.joining:
             self.inproc.check_fit(run.state())  # a cap too small stops the run here, not a fault later
         self.screen_gate()
@@ -439,11 +438,16 @@ class WorkerSession:
         if not verdict["passed"]:
             raise ScreenFailed(verdict["reason"])
 
-    def _start(self, build: Callable[[WorkerSession], Trainable], run: Trainable) -> tuple[int, Trainable]:
-        """Resume; a spare whose first generation loses a peer while it restores (a second fault)
-        re-forms for the next one, as the survivors do, instead of failing its slot."""
+    def _start(self, build: Callable[[WorkerSession], Trainable]) -> tuple[int, Trainable]:
+        """Build and resume; a spare whose first generation loses a peer while it builds or restores
+        (a second fault) re-forms for the next one, as the survivors do, instead of failing its slot.
+
+        The build is inside: a fault pushed while a spare builds the model tears its groups down
+        under it (soak seed 2: ``mesh["dp"]`` then raised "Default process group has not been
+        initialized", the spare exited 1, and its node fell back to disk with "no warm spare")."""
         lost = None
         try:
+            run = build(self)
             return self._resume(run), run
         except Exception as exc:  # a peer failure is handled below; anything else re-raises
             lost = self._peer_lost(exc) if self.inproc is not None and self.inproc.joining else None
