@@ -108,6 +108,8 @@ class ClusterOutcome:
     """The run finished but a launcher was still running a minute later (stopped by chaos)."""
     skip_ranges: list[tuple[int, int]] = field(default_factory=list)
     requeues: int = 0
+    refused: dict[str, int] = field(default_factory=dict)
+    """Nodes the run turned away (exit code): a requeue would be turned away again."""
     etcd_members: int = 1
 
     @property
@@ -509,6 +511,11 @@ class ClusterRunner:
         return p.spec.at_step is None or self._max_step >= p.spec.at_step
 
     def _requeue(self, nodes: NodeSet, events: EventLog, outcome: ClusterOutcome) -> None:
+        for name, rc in nodes.refused().items():
+            if name not in outcome.refused:
+                outcome.refused[name] = rc
+                events.emit("chaos.requeue_refused", node=name, rc=rc,
+                            reason="the run refused this node (its code, config or token differs): not relaunched")
         for name in nodes.lost():
             node = nodes.nodes[name]
             events.emit("chaos.requeue", node=name, rc=node.rc, launches=node.launches + 1)

@@ -18,6 +18,12 @@ from pathlib import Path
 
 from chaos.netns import NODE_IFNAME, NetLab
 from elastic.common.exits import EXIT_EXCLUDED
+from elastic.control.admission import EXIT_FINGERPRINT, EXIT_WRONG_TOKEN
+
+REFUSED = (EXIT_EXCLUDED, EXIT_WRONG_TOKEN, EXIT_FINGERPRINT)
+"""Launcher exits a requeue cannot change: the run turned the node away (excluded, another run's
+token, other code or config).  Soak seed 3 (2026-12-05) relaunched a node refused for its code 127
+times in five minutes (its code changed on disk mid-run) while the other three waited for it."""
 
 
 @dataclass
@@ -105,8 +111,12 @@ class NodeSet:
         return [name for name, rc in self.poll().items() if rc is None]
 
     def lost(self) -> list[str]:
-        """Nodes whose launcher died (not finished, not excluded): candidates for a requeue."""
-        return [name for name, rc in self.poll().items() if rc not in (None, 0, EXIT_EXCLUDED)]
+        """Nodes whose launcher died (not finished, not refused): candidates for a requeue."""
+        return [name for name, rc in self.poll().items() if rc not in (None, 0, *REFUSED)]
+
+    def refused(self) -> dict[str, int]:
+        """Nodes the run turned away, and why (their exit codes): never requeued."""
+        return {name: rc for name, rc in self.poll().items() if rc in REFUSED and rc != EXIT_EXCLUDED}
 
     def stop(self, grace_s: float = 20.0) -> None:
         for node in self.nodes.values():

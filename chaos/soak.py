@@ -289,6 +289,7 @@ def run_soak(cfg: SoakConfig, echo=print) -> dict[str, Any]:
     report = {"job": str(job.config), "nodes": len(job.nodes), "steps": job.steps, "duration_s": cfg.duration_s,
               "mtbf_s": cfg.mtbf_s, "seed": cfg.seed, "sets": cfg.sets, "etcd_members": entry["etcd_members"],
               "planned": len(faults), "injected": injected, "recovered": recovered_n, "requeues": outcome.requeues,
+              "refused_nodes": outcome.refused,
               "skipped_batches": skips, "hung": not hang.ok, "goodput": goodput,
               "recoveries_not_bitwise": sum(1 for e in events if e.get("kind") == "trainer.recovered"
                                             and e.get("bitwise") is False),
@@ -321,6 +322,9 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
              f"faults: {report['injected']} injected, {report['recovered']} recovered "
              f"({report['planned']} planned, {report['requeues']} node relaunches, etcd members "
              f"{report.get('etcd_members', 1)})"]
+    for node, rc in sorted((report.get("refused_nodes") or {}).items()):
+        lines.append(f"  {node} refused by the run on relaunch (exit {rc}: its code, config or token differs); "
+                     "not relaunched again")
     for kind, k in sorted(report["per_kind"].items()):
         mid = f", {k['during_recovery']} of them mid-recovery" if "during_recovery" in k else ""
         lines.append(f"  {kind:20} {k['recovered']}/{k['injected']} recovered{mid}, mean recovery "
