@@ -48,7 +48,7 @@ def test_a_model_too_big_for_the_cap_stops_before_its_first_step(store, monkeypa
     steps: list[int] = []
     run = types.SimpleNamespace(state=lambda: {"w": torch.zeros(MIB // 4 * 3)},  # 3 MiB of float32
                                 step=steps.append, last_step=5)
-    session = types.SimpleNamespace(inproc=inproc, _start=lambda build, run: (0, run),
+    session = types.SimpleNamespace(inproc=inproc, _start=lambda build: (0, build(session)),
                                     screen_gate=lambda: None, events=None)
     with pytest.raises(ConfigError) as caught:
         WorkerSession.train(session, lambda s: run)
