@@ -145,7 +145,7 @@ def test_one_push_thread_carries_every_snapshot_and_survives_a_push_that_raises(
         assert pusher._thread is thread and pusher.last_pushed == 2
         assert client.snap_get("n0", 0, 2)[0].step == 2
 
-        def broken(snapshot):
+        def broken(snapshot, heads=None):
             raise KeyError("a bug in the encoder")
 
         monkeypatch.setattr(snapshot_mod, "to_bytes", broken)
