@@ -21,7 +21,8 @@ Life of a save
 --------------
 ``save()`` runs on the training thread: it waits for the previous save to be
 committed or failed, serializes this rank's ``extra``, and calls
-``dcp.async_save``, which copies the state to CPU ("staging") before it
+``dcp.async_save``, which copies the state to CPU ("staging", one copy into a
+buffer kept between saves: :mod:`elastic.checkpoint.staging`) before it
 returns, so the optimizer may mutate the weights as soon as ``save()``
 returns.  Everything else happens on background threads: DCP's upload thread
 plans, writes this rank's shard and gathers every rank's write results to the
@@ -103,8 +104,9 @@ from elastic.checkpoint.load import (
     sha256_file,
     step_dir_name,
 )
-from elastic.checkpoint.memory import MemoryFastPath, RecordingStager, as_state_dicts
+from elastic.checkpoint.memory import MemoryFastPath, as_state_dicts
 from elastic.checkpoint.memclient import MemStateClient
+from elastic.checkpoint.staging import FlatStager
 from elastic.checkpoint.publish import EtcdCheckpointPublisher, publisher_from_env
 from elastic.checkpoint.storage import CheckpointStorage, LocalStorage
 from elastic.common import collectives
@@ -188,6 +190,7 @@ class CheckpointManager(CommittedCheckpoints):
         self._streak: list[tuple[int, str]] = []  # rank 0: (step, error) of each save failed since the last commit
         self.failed_in_a_row: list[tuple[int, str]] = []  # the streak as every rank agreed at the last save
         self.memory = MemoryFastPath.from_env(config.memory, fingerprint, self.events, self.group, memory_client)
+        self._stager = FlatStager()  # async saves: one copy into a buffer kept between saves (staging.py)
         if self._rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
             self._remove_stale_tmp()
@@ -237,9 +240,9 @@ class CheckpointManager(CommittedCheckpoints):
             writer = SafetensorsShardWriter(
                 tmp, step, self._rank, self.storage, blob, nice=self.config.writer_nice
             )
-            # The memory push reuses DCP's staged copy (async) or the live state, which the
+            # The memory push reuses the staged copy (async) or the live state, which the
             # training thread does not touch until a synchronous save has finished.
-            stager = RecordingStager() if self.memory is not None and self.config.async_save else None
+            stager = self._stager if self.config.async_save else None
             if self.config.async_save:
                 upload = dcp.async_save(
                     state, storage_writer=writer, process_group=self.group, no_dist=not dist.is_initialized(),
@@ -447,7 +450,7 @@ class _Snapshot:
 
     token: str
     extra: bytes
-    stager: RecordingStager | None
+    stager: FlatStager | None
     live: dict[str, Any] | None
 
 

@@ -4,7 +4,7 @@ What is pushed is this rank's *local view* of exactly the state the
 checkpoint saved: the same nested state dicts DCP was given (Stateful objects
 turned into their ``state_dict()``), with every DTensor replaced by its local
 shard, serialized with ``torch.save``.  With async saves it is DCP's own
-staged copy (taken by :class:`RecordingStager` when DCP stages), so the push
+staged copy (:class:`~elastic.checkpoint.staging.FlatStager`'s buffer), so the push
 costs no second snapshot on the training thread and holds the very bytes the
 shard files were written from.
 
@@ -40,7 +40,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
@@ -58,18 +57,6 @@ _ALIGN = 64
 
 class MemoryLayoutMismatch(ValueError):
     """A cached state does not fit the state it should be loaded into (names, shapes, dtypes)."""
-
-
-class RecordingStager(DefaultStager):
-    """DCP's default CPU staging, keeping a reference to the staged copy for the memory push."""
-
-    def __init__(self) -> None:
-        super().__init__(StagingOptions(False, False, False, False))
-        self.staged: Any = None
-
-    def stage(self, state_dict: Any, **kwargs: Any) -> Any:
-        self.staged = super().stage(state_dict, **kwargs)
-        return self.staged
 
 
 def as_state_dicts(state: Mapping[str, Any]) -> dict[str, Any]:
