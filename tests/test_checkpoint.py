@@ -226,7 +226,9 @@ def test_verify_reports_damage_and_load_falls_back(tmp_path, damage, reason):
         (newest / "COMMIT").write_text("{not json")
     else:
         manifest = newest / "manifest.json"
-        manifest.write_text(manifest.read_text().replace('"step": 2', '"step": 3'))
+        text = manifest.read_text()
+        manifest.write_text(text.replace('"step":2', '"step":3').replace('"step": 2', '"step": 3'))
+        assert manifest.read_text() != text  # one changed byte, whichever spacing the writer used
     with pytest.raises(CheckpointCorrupt, match=reason):
         mgr.verify(2)
     state = _state(*_trained(seed=5, steps=1))
