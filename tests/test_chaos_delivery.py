@@ -165,7 +165,12 @@ def test_a_new_leader_declares_lost_the_old_leader_that_was_cut_off():
         store.refresh_lease(leases[node])
     clock.advance(2)
     successor = loop("n1")
-    successor.evaluate()  # its first look: n2's heartbeat is already gone
+    successor.evaluate()  # its first look: n2's heartbeat is already gone (judged after lost_grace_s)
+    assert state.epoch() == 0
+    for node in ("n0", "n1"):
+        store.refresh_lease(leases[node])
+    clock.advance(LeaderConfig().lost_grace_s)
+    successor.evaluate()
     assert state.epoch() == 1
     assert ("leader.node_lost", {"nodes": ["n2"], "epoch": 0, "new_epoch": 1, "bumped": True}) in events
     successor.evaluate()  # a new epoch: a new baseline, nothing more is lost
@@ -193,6 +198,11 @@ def test_leader_reforms_when_a_member_loses_its_lease():
         store.refresh_lease(leases[node])
     clock.advance(2)  # n2 (partitioned) stopped refreshing: its lease has expired, the others' not
     loop.evaluate()
+    assert state.epoch() == 0  # away, not yet lost
+    for node in ("n0", "n1"):
+        store.refresh_lease(leases[node])
+    clock.advance(LeaderConfig().lost_grace_s)
+    loop.evaluate()
     assert state.epoch() == 1
     assert ("leader.node_lost", {"nodes": ["n2"], "epoch": 0, "new_epoch": 1, "bumped": True}) in events
     state.mark_done("n0")
@@ -200,3 +210,64 @@ def test_leader_reforms_when_a_member_loses_its_lease():
     store.revoke_lease(leases["n1"])
     loop.evaluate()
     assert state.epoch() == 1
+
+
+def _wave_setup():
+    clock = FakeClock()
+    store = MemoryStore(clock)
+    state = RunState(store, RunKeys.of("/elastic", "r1"), clock=clock)
+    leases = {n: store.grant_lease(4) for n in ("n0", "n1", "n2")}
+    for node, lease in leases.items():
+        state.put_heartbeat(node, {"epoch": 0, "step": 5}, lease=lease)
+        state.put_node(node, {"state": "RUNNING"}, lease=lease)
+        state.set_member(node, "joined")
+    events = []
+
+    class Log:
+        def emit(self, kind, **fields):
+            events.append((kind, fields))
+
+    loop = LeaderLoop(state, "n0", LeaderConfig(), ClusterPolicy(LeaderConfig(), lambda *a: None, Log()), Log())
+    return clock, store, state, leases, events, loop
+
+
+def _register_again(store, state, node):
+    lease = store.grant_lease(4)
+    state.put_heartbeat(node, {"epoch": 0, "step": 6}, lease=lease)
+    state.put_node(node, {"state": "RUNNING"}, lease=lease)
+    return lease
+
+
+def test_leases_dropped_by_etcd_with_the_leaders_own_are_no_node_loss():
+    """A paused etcd leader that resumed revoked every agent's lease at once (chaos soak): the leader,
+    whose own record vanished too, knows its agent is alive, so it declares nobody lost; the agents
+    register again on new leases and the run goes on in its epoch."""
+    clock, store, state, leases, events, loop = _wave_setup()
+    loop.evaluate()
+    for lease in leases.values():
+        store.revoke_lease(lease)
+    for _ in range(3):
+        clock.advance(LeaderConfig().lost_grace_s)
+        loop.evaluate()
+    assert state.epoch() == 0 and not [e for e in events if e[0] in ("leader.node_lost", "run.fault")]
+    for node in leases:
+        _register_again(store, state, node)
+    loop.evaluate()
+    assert state.epoch() == 0 and state.members()["n2"]["state"] == "joined"
+
+
+def test_a_node_back_within_the_grace_is_not_lost_and_one_that_stays_away_is():
+    clock, store, state, leases, events, loop = _wave_setup()
+    loop.evaluate()
+    store.revoke_lease(leases["n1"])
+    loop.evaluate()
+    clock.advance(LeaderConfig().lost_grace_s / 2)
+    _register_again(store, state, "n1")  # its agent noticed and registered again
+    loop.evaluate()
+    assert state.epoch() == 0 and not [e for e in events if e[0] == "run.fault"]
+    store.revoke_lease(leases["n2"])
+    loop.evaluate()
+    clock.advance(LeaderConfig().lost_grace_s)
+    loop.evaluate()
+    faults = [f for kind, f in events if kind == "run.fault"]
+    assert state.epoch() == 1 and [f["node"] for f in faults] == ["n2"]

@@ -35,7 +35,7 @@ from typing import Callable, Literal
 from elastic.common.config import ConfigError
 from elastic.common.events import EventLog
 from elastic.control.generations import Generations
-from elastic.control.membership import LostNodes
+from elastic.control.membership import Absences, LostNodes
 from elastic.control.runstate import RunState
 from elastic.control.store import KVStore, LeaseExpired, StoreError
 
@@ -63,6 +63,11 @@ class LeaderConfig:
     """Window over which a node's counted failures are added up for ``lemon_failures``."""
     exclusion_ttl_s: float = 3600.0
     """Expiry of an exclusion by the leader (straggler or lemon node); the node may then come back."""
+    lost_grace_s: float = 2.0
+    """A node whose heartbeat vanished is declared lost (the run re-forms without it) only once it has
+    stayed away this long; 0: at the first look.  An etcd fault can revoke live agents' leases (a
+    paused leader member resumed: every heartbeat but one vanished at once and the run restarted,
+    chaos soak), and their agents re-register within a second or so."""
 
     def __post_init__(self) -> None:
         if self.ttl_s < 2:
@@ -77,6 +82,8 @@ class LeaderConfig:
             raise ConfigError("straggler_evaluations", "must be >= 1")
         if self.lemon_failures < 0:
             raise ConfigError("lemon_failures", "must be >= 0")
+        if self.lost_grace_s < 0:
+            raise ConfigError("lost_grace_s", "must be >= 0")
         for name in ("lemon_window_s", "exclusion_ttl_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(name, "must be > 0")
@@ -219,9 +226,10 @@ class LeaderLoop:
         self.policy = policy
         self.events = events
         self.election = LeaderElection(state.store, state.keys.leader, node_id, config.ttl_s)
-        self.lost = LostNodes(state, node_id, events)
+        self.lost = LostNodes(state, node_id, events, config.lost_grace_s)
         self.is_leader = False
         self._members: tuple[int, set[str]] | None = None
+        self._absent = Absences(node_id, config.lost_grace_s, state.clock)  # members whose heartbeat vanished
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="leader", daemon=True)
 
@@ -273,14 +281,14 @@ class LeaderLoop:
 
         The view is kept in etcd too: a leader that just took over compares with its predecessor's
         (the partitioned node may have been the leader; its heartbeat can vanish before the new
-        leader's first look, and without the stored view nobody declared it lost)."""
+        leader's first look, and without the stored view nobody declared it lost).  A vanished node
+        stays in the view until it is judged: lost after ``lost_grace_s`` away, or back."""
         seen = self._members if self._members is not None else self.state.leader_view()
-        self._members = (epoch, members)
-        if seen != self._members:
-            self.state.set_leader_view(epoch, members)
         if seen is None or seen[0] != epoch:
+            self._remember(seen, epoch, members)
             return
-        lost = seen[1] - members
+        lost = self._absent.judge(seen[1] - members)
+        self._remember(seen, epoch, members | (seen[1] - members - lost))
         if not lost or self.state.finished():
             return
         handled = lost & Generations(self.state.store, self.state.keys, epoch).ever_lost()
@@ -290,3 +298,8 @@ class LeaderLoop:
             return
         current, moved = self.state.bump_epoch(epoch)
         self.events.emit("leader.node_lost", nodes=sorted(lost), epoch=epoch, new_epoch=current, bumped=moved)
+
+    def _remember(self, seen: tuple[int, set[str]] | None, epoch: int, members: set[str]) -> None:
+        self._members = (epoch, members)
+        if seen != self._members:
+            self.state.set_leader_view(epoch, members)

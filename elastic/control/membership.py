@@ -15,33 +15,58 @@ leader then
 * records a counted ``node_lost`` failure of that node, so the lemon-node policy
   (:class:`~elastic.control.leader.ClusterPolicy`) excludes a node that keeps vanishing, and
 * marks the roster entry ``lost`` (a node that comes back registers as ``joined`` again).
+
+A missing record is judged (:class:`Absences`) before any of that: lost once it has stayed away
+``agent.leader.lost_grace_s``, and never while the leader's own record is missing too.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from elastic.common.events import EventLog
 from elastic.control.runstate import RunState
 
 
+class Absences:
+    """Nodes whose record is missing, and since when: which of them count as lost now.
+
+    Lost after ``grace_s`` away; none while the judge's own node is among them: its agent is alive
+    (it judges), so etcd dropped live agents' leases (a paused leader member that resumed revoked
+    every lease at once: the leader declared three of four live nodes lost and the run restarted,
+    chaos soak), and the others are as likely alive: their agents register again on a new lease."""
+
+    def __init__(self, me: str, grace_s: float, clock: Callable[[], float]) -> None:
+        self.me, self.grace_s, self.clock = me, grace_s, clock
+        self._since: dict[str, float] = {}
+
+    def judge(self, missing: set[str]) -> set[str]:
+        now = self.clock()
+        self._since = {node: self._since.get(node, now) for node in missing}
+        if self.me in missing:
+            return set()
+        return {node for node, since in self._since.items() if now - since >= self.grace_s}
+
+
 class LostNodes:
     """The leader's check of the roster against the live node records."""
 
-    def __init__(self, state: RunState, leader_id: str, events: EventLog) -> None:
+    def __init__(self, state: RunState, leader_id: str, events: EventLog, grace_s: float = 0.0) -> None:
         self.state = state
         self.leader_id = leader_id
         self.events = events
+        self.absences = Absences(leader_id, grace_s, state.clock)
         self._beats: dict[str, dict[str, Any]] = {}  # node -> newest heartbeat seen (epoch, step)
 
     def evaluate(self, nodes: dict[str, dict[str, Any]], heartbeats: dict[str, dict[str, Any]]) -> list[str]:
         """One look; the nodes this look reported lost (each fault once)."""
         self._beats.update(heartbeats)
-        gone = [node for node, member in self.state.members().items()
-                if member.get("state") == "joined" and node not in nodes]
+        gone = self.absences.judge({node for node, member in self.state.members().items()
+                                    if member.get("state") == "joined" and node not in nodes})
         if not gone or self.state.done_record() is not None:
             return []
-        return [node for node in gone if self._report(node)]
+        return [node for node in sorted(gone) if self._report(node)]
 
     def _report(self, node: str) -> bool:
         beat = self._beats.pop(node, {})
