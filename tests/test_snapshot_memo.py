@@ -72,3 +72,18 @@ def test_the_header_is_encoded_again_when_a_scalar_changes():
     assert chunks[0] is not one
     tree, _ = decode_state(bytearray(b"".join(bytes(c) for c in chunks)))
     assert tree["app"]["optim"]["param_groups"][0]["lr"] == 0.05
+
+
+def test_the_memo_lets_go_of_the_tensors_it_compared_when_cleared():
+    import gc
+    import weakref
+
+    state, ring = _state(), SnapshotRing()
+    _take(state, ring)
+    watched = weakref.ref(state["model"]["w0"])
+    del state
+    gc.collect()
+    assert watched() is not None  # the memo still holds it (the snapshots hold copies only)
+    ring.memo.clear()
+    gc.collect()
+    assert watched() is None

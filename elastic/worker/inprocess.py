@@ -266,6 +266,9 @@ class InProcess:
             self.pusher.wait()
             self.pusher.take_error()  # the failed world's last capture: moot now
             self._pending_capture = False
+        # The memo holds the failed world's model and optimizer tensors: on a GPU they would stay
+        # allocated through the rebuild, beside the new model's (its snapshots stay for the restore).
+        self.ring.memo.clear()
         figures = None if self.joining and self.plan is None else self.latch.teardown()
         if figures is not None:
             self.events.emit("recovery.severed", gen=self.gen, by="training thread", **figures)
