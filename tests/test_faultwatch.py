@@ -119,6 +119,26 @@ def test_the_latch_tears_each_generation_down_once_and_only_the_current_one():
     assert torn == [0]
 
 
+def test_a_fault_of_a_generation_not_yet_formed_fails_it_as_soon_as_it_forms():
+    # A worker still in generation 1 hears that generation 2 broke (its plan counted a rank that
+    # died before its agent could reap it): 1 is torn down now, 2 fails its check when it forms,
+    # 3 forms as usual.  Without the mark the worker's store would wait for the dead rank.
+    torn: list[int] = []
+    latch = FaultLatch(lambda: (torn.append(latch.gen), {"connections": 0})[1])
+    latch.forming(1)
+    assert latch.fault_through(2, {"gen": 2, "node": "n1", "kind": "worker_died"}) == {"connections": 0}
+    assert torn == [1]
+    latch.forming(2)
+    assert latch.torn() and latch.torn_event.is_set()
+    with pytest.raises(PeerAborted, match="n1"):
+        latch.check(2)
+    assert latch.teardown() is None  # nothing of it formed: nothing to cut
+    latch.forming(3)
+    latch.check()
+    assert not latch.torn_event.is_set()
+    assert latch.fault_through(2, {"gen": 2}) is None and torn == [1]  # a late copy touches nothing of 3
+
+
 def test_the_unwind_lands_only_inside_the_armed_zone():
     latch = FaultLatch(dict)
     outcome: list[str] = []

@@ -252,3 +252,49 @@ def test_a_loss_needs_a_refusal_a_gone_record_or_three_timeouts(slots):
         server.bind(("127.0.0.1", 0))
         server.listen(1)
         assert workers._unreachable("node2", {"memstate": {"addr": "127.0.0.1:%d" % server.getsockname()[1]}}, {}) == ""
+
+
+def test_a_worker_that_dies_after_its_node_joined_the_round_breaks_that_round(slots):
+    """The survivors' errors reach the agent before the dead worker can be reaped (its sockets
+    close before its exit is visible), so the node may join round 1 with the dying process in its
+    slots.  Then round 1's plan counts a rank that will never come: the fault must name generation
+    1, not 0 (which everyone knows broke; the board keeps one fault per generation, so it went
+    unheard), and the spare must join generation 2.  Reproduces issue 26's CI failure: under a CPU
+    hog the survivors waited out the new store's 60 s timeout and the run restarted from disk."""
+    workers, children, started, events = slots
+    workers.start_spare()
+    workers.ranks = {0: 0, 1: 1}
+    workers.register()
+    workers.gens.register_node("node1", {0: 2, 1: 3})
+    _hold(workers, children, 1, "import time; time.sleep(30)")
+    victim = _hold(workers, children, 0, "import sys, time; sys.stdin.readline(); time.sleep(30)")
+    workers.observe({"type": "fault", "gen": 0, "step": 5, "local_rank": 1, "pid": workers.pids[1]})
+    workers.join_wanted()  # round 1, with both slots' processes; it waits for node1
+    victim.kill()
+    _wait_exit(victim)
+    assert workers.poll(lambda result: True) is None  # the spare takes the slot
+    workers.gens.join_node(1, "node1", {0: 2, 1: 3}, head_limit=3)
+    assert workers.board.wait(0, 1, "plan", timeout_s=10)["ok"] and workers.gen == 1
+    pushed = workers.board.wait_fault(0, 1, timeout_s=1)
+    assert pushed["ok"] and pushed["value"]["gen"] == 1 and pushed["value"]["kind"] == "worker_died"
+    replaced = next(e for e in events() if e["kind"] == "agent.inprocess_replace")
+    assert replaced["gen"] == 2 and workers.pids[0] == started[0].pid
+    assert workers.wanted == 2
+
+
+def test_a_node_lost_after_this_node_joined_a_round_breaks_that_round(slots):
+    """The second of two nodes lost 0.2 s apart died after the round for the first had counted
+    it: that round's generation is the one broken (a fault of the older one is on the board
+    already and would be dropped), and a loss the newest plan already counts is not pushed again."""
+    workers, _, _, _ = slots
+    workers.ranks, workers.pids = {0: 0, 1: 1}, {0: 101, 1: 102}
+    workers.register()
+    workers.gens.register_node("node1", {0: 2, 1: 3})
+    workers.push_fault("node3", "node_lost", "the first loss")  # generation 0 broke
+    workers.join_wanted()  # round 1: it waits for node1
+    workers._peer_gone("node2", "127.0.0.1:1", "its agent closed the connection")  # no record: gone
+    pushed = workers.board.wait_fault(0, 1, timeout_s=1)
+    assert pushed["ok"] and pushed["value"]["gen"] == 1 and pushed["value"]["node"] == "node2"
+    workers.plan = Plan(gen=1, old_world=4, gone=("node2",))
+    workers._peer_gone("node2", "127.0.0.1:1", "a late notice")
+    assert workers.board.wait_fault(0, 2, timeout_s=0.2)["ok"] is False  # nothing new

@@ -217,6 +217,7 @@ class InProcessWorkers:
         self.plan: Plan | None = None  # the newest generation's plan (the next round builds on it)
         self.wanted = 0  # the newest generation a worker asked for (a fault report, a wait, a replacement)
         self._rounds: set[int] = set()  # generations this node joined (one round thread each)
+        self._offered: dict[int, set[int]] = {}  # generation -> the slot processes this node joined it with
         self._fault_steps: dict[int, int] = {}  # generation -> the step its fault hit (a worker's report)
         self.board = memstate.board if memstate is not None else RoundBoard()
         self.board.on_wait = lambda epoch, gen, name: self.want(gen) if epoch == self.epoch else None
@@ -365,20 +366,29 @@ class InProcessWorkers:
         kind, detail = stopping if stopping is not None else (_death_kind(rc), detail)
         if pid in self._hung:  # killed here after a hang verdict: the hang is the failure
             kind, detail = FailureKind.HANG, f"{self._hung[pid]} (killed, its slot replaced in-process)"
-        result = AttemptResult(Outcome.FAILED, rc, kind=kind, detail=detail, gen=self.gen + 1, step=self.step,
+        broken = self._broken_gen(pid)
+        result = AttemptResult(Outcome.FAILED, rc, kind=kind, detail=detail, gen=broken + 1, step=self.step,
                                attempt_dir=self._attempt.dir if self._attempt else None)
         if stopping is not None or rc in _DELIBERATE:  # the worker chose to leave: the agent's usual path decides
             return result
         # The survivors first, before any policy or etcd record: under NCCL nothing of theirs
         # raises, they wait in the dead worker's collective until told (elastic.worker.faultwatch),
         # whether the spare takes the slot or the run falls back to a restart.
-        self.push_fault(self.spec.node_id, "hang" if pid in self._hung else "worker_died", detail)
+        self.push_fault(self.spec.node_id, "hang" if pid in self._hung else "worker_died", detail, gen=broken)
         reason = self._no_replacement(result, on_failure)
-        if reason is None and self._replace(local, detail):
+        if reason is None and self._replace(local, detail, broken + 1):
             return None
         self.events.emit("agent.inprocess_fallback", local_rank=local, rc=rc, detail=detail,
                          reason=reason or "the warm spare failed")
         return result
+
+    def _broken_gen(self, pid: int) -> int:
+        """The newest generation a dead slot process belonged to: the node's current one, or a newer
+        round this node joined with it in its slots -- a worker can die after its node joined the
+        next round for it (its peers' errors arrive before its exit can be reaped: the sockets close
+        first), and that round's plan then counts a rank that will never come (measured under a CPU
+        hog: the survivors waited out the new store's 60 s timeout, then the run fell back to disk)."""
+        return max([self.gen, *(gen for gen, pids in self._offered.items() if pid in pids)])
 
     def _no_replacement(self, result: AttemptResult, on_failure) -> str | None:
         """Why the dead worker's slot cannot go to the spare (None: it may)."""
@@ -389,12 +399,11 @@ class InProcessWorkers:
             return "no warm spare"
         return None if on_failure(result) else "failure policy"
 
-    def _replace(self, local: int, detail: str) -> bool:
-        """Hand the slot to the spare; False when the spare cannot take it (the attempt falls back:
-        a replacement that failed never passes for a recovery)."""
+    def _replace(self, local: int, detail: str, gen: int) -> bool:
+        """Hand the slot to the spare, to join generation ``gen``; False when the spare cannot take it
+        (the attempt falls back: a replacement that failed never passes for a recovery)."""
         assert self.spare is not None and self.worker_env is not None and self._attempt is not None
         spare, self.spare = self.spare, None
-        gen = self.gen + 1  # the agent joins the rounds for its node: its count is the node's
         env = {**self.worker_env.to_env(), "ELASTIC_JOIN_GEN": str(gen), "LOCAL_RANK": str(local), "ELASTIC_SCREEN": "",
                "TORCHELASTIC_ERROR_FILE": str(self._attempt.dir / f"error-spare-{spare.pid}.json")}
         try:
@@ -426,6 +435,7 @@ class InProcessWorkers:
             return
         self._rounds.add(gen)
         slots = {local: self.ranks.get(local, -1) for local in sorted(self.pids) if local not in self.finished}
+        self._offered[gen] = {self.pids[local] for local in slots}
         threading.Thread(target=self._round, args=(gen, slots), name=f"round-g{gen}", daemon=True).start()
 
     def _round(self, gen: int, slots: dict[int, int]) -> None:
@@ -517,20 +527,22 @@ class InProcessWorkers:
             self.events.emit("agent.store_error", op="record_fault", error=str(exc)[:300])
 
     # -- pushed faults ------------------------------------------------------------------------------
-    def push_fault(self, node: str, kind: str, reason: str) -> None:
-        """Tell every worker of the run that generation ``self.gen`` broke: this node's through the
-        board at once, every other agent through one etcd put its signal watch delivers.  A fault
-        of this generation already posted (pushed by another agent) is not put again."""
-        record = {"epoch": self.epoch, "gen": self.gen, "node": node, "kind": kind, "reason": reason[:300],
+    def push_fault(self, node: str, kind: str, reason: str, gen: int | None = None) -> None:
+        """Tell every worker of the run that generation ``gen`` (default ``self.gen``) broke, and so
+        every older one: this node's through the board at once, every other agent through one etcd
+        put its signal watch delivers.  A fault of this generation already posted (pushed by another
+        agent) is not put again."""
+        gen = self.gen if gen is None else gen
+        record = {"epoch": self.epoch, "gen": gen, "node": node, "kind": kind, "reason": reason[:300],
                   "by": self.spec.node_id, "ts": time.time()}
-        self.want(self.gen + 1)  # this node's workers need the next generation: join it for them
+        self.want(gen + 1)  # this node's workers need the next generation: join it for them
         if not self.board.post_fault(self.epoch, record):
             return
         try:
             self.state.push_fault(record)
         except StoreError as exc:
             self.events.emit("agent.store_error", op="push_fault", error=str(exc)[:300])
-        self.events.emit("agent.fault_pushed", gen=self.gen, node=node, fault_kind=kind, reason=reason[:300],
+        self.events.emit("agent.fault_pushed", gen=gen, node=node, fault_kind=kind, reason=reason[:300],
                          put_s=round(time.time() - record["ts"], 4))
 
     def heard_fault(self, record: dict) -> None:
@@ -578,8 +590,15 @@ class InProcessWorkers:
             return  # it answers, or finished: the watch re-holds the ring's successor
         if self.memstate is not None and self.memstate.buddy_link is not None:
             self.memstate.buddy_link.skip(node)
-        self.push_fault(node, "node_lost", f"node {node}: {reason}; {verdict}")
-        self.want(self.gen + 1)
+        if self.plan is not None and node in self.plan.gone and self.plan.gen >= max(self._rounds, default=0):
+            return  # the newest generation was formed without it: its loss is counted already
+        # The newest round this node joined may count it (it died after joining): that generation
+        # broke, not only the one it trained in.  A fault of an older one is posted already (the
+        # board keeps one per generation), so a second loss in a round would go unheard: measured,
+        # two adjacent nodes killed 0.2 s apart under a CPU hog, the round formed with the second,
+        # and only its lease's expiry (11 s later) ended the wait.
+        self.push_fault(node, "node_lost", f"node {node}: {reason}; {verdict}",
+                        gen=max(self.gen, max(self._rounds, default=0)))
 
     # -- stop -------------------------------------------------------------------------------------------------
     def stop(self, grace_s: float) -> list[int]:

@@ -81,7 +81,10 @@ class FaultLatch:
         """The training thread now forms generation ``gen`` (after tearing the previous one down)."""
         with self._lock:
             self.gen = gen
-            self.torn_event.clear()
+            if gen in self._torn:  # a pushed fault broke it before it formed (fault_through)
+                self.torn_event.set()
+            else:
+                self.torn_event.clear()
 
     def torn(self) -> bool:
         """The current generation was torn down: any error of its world is that abort's doing
@@ -105,6 +108,21 @@ class FaultLatch:
             figures = self._teardown()
             self.torn_event.set()
             return figures
+
+    def fault_through(self, gen: int, fault: dict[str, Any]) -> dict[str, Any] | None:
+        """A pushed fault of generation ``gen``, which breaks every generation up to it: the current
+        one is torn down (its figures; None when it was already, or is newer than ``gen``), and a
+        newer one up to ``gen`` that this worker has yet to form is marked, so that :meth:`check`
+        fails it as soon as it forms (its plan counted a rank that died: its store would wait for
+        that rank until its timeout)."""
+        with self._lock:
+            if gen < self.gen:
+                return None
+            ahead = set(range(self.gen + 1, gen + 1)) - self._torn
+            if ahead:
+                self._torn |= ahead
+                self.fault = fault
+        return self.teardown(self.gen, fault)
 
     @contextlib.contextmanager
     def armed(self) -> Iterator[None]:
@@ -197,7 +215,7 @@ class FaultMonitor:
         gen = int(fault.get("gen", -1))
         self.handled = max(self.handled, gen)
         t0 = time.monotonic()
-        figures = self.latch.teardown(fault=fault) if self.latch.gen <= gen else None
+        figures = self.latch.fault_through(gen, fault)
         unwound = self.latch.unwind() if figures is not None else False
         pushed_at = float(fault.get("ts", 0.0) or 0.0)
         self.emit("recovery.fault_pushed", gen=gen, node=fault.get("node"), fault_kind=fault.get("kind"),
