@@ -39,6 +39,46 @@ def test_the_board_keeps_the_newest_faulted_generation_and_answers_waits_from_a_
     assert board.wait_fault(0, 3, 5.0)["value"]["node"] == "d"
 
 
+def test_a_wait_for_a_faulted_generation_ends_at_once():
+    """A worker waiting for generation 2's store hears that 2 broke instead of waiting out the join
+    timeout for a store its rank 0 may never publish; a wait for 3 goes on."""
+    board = RoundBoard()
+    board.post_fault(0, {"gen": 1, "node": "a", "kind": "node_lost"})
+    waited = board.wait(0, 2, "plan", 0.01)  # an older generation's fault: 2 may still form
+    assert waited["ok"] is False and "faulted" not in waited and "within" in waited["error"]
+    threading.Timer(0.05, lambda: board.post_fault(0, {"gen": 2, "node": "b", "kind": "worker_died"})).start()
+    t0 = time.monotonic()
+    answer = board.wait(0, 2, "store", 30.0)
+    assert answer["ok"] is False and answer["faulted"] and "worker_died of b" in answer["error"]
+    assert time.monotonic() - t0 < 5.0
+    threading.Timer(0.05, lambda: board.post(0, 3, "plan", {"gen": 3})).start()
+    assert board.wait(0, 3, "plan", 5.0) == {"ok": True, "value": {"gen": 3}}
+
+
+def test_a_store_connect_is_abandoned_when_its_generation_is_torn_down():
+    """A c10d store client retries its connect in C until its timeout; nothing of an abort reaches
+    it.  until_torn gives up on it as soon as the generation is torn down."""
+    import socket
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from elastic.worker.inprocess import until_torn
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]  # bound, never listening: the connect is refused, and retried
+        latch = FaultLatch(lambda: {"connections": 0})
+        latch.forming(4)
+        threading.Timer(0.2, lambda: latch.fault_through(4, {"gen": 4, "node": "n7", "kind": "node_lost"})).start()
+        t0 = time.monotonic()
+        with pytest.raises(PeerAborted, match="n7"):
+            until_torn(latch, 4, lambda: dist.TCPStore("127.0.0.1", port, 2, False, timedelta(seconds=30)))
+        assert time.monotonic() - t0 < 5.0
+    latch.forming(5)
+    assert until_torn(latch, 5, lambda: "connected") == "connected"
+
+
 def test_a_worker_waits_for_a_fault_over_the_agents_memory_store():
     server = MemStateServer(1 << 20)
     try:

@@ -274,7 +274,11 @@ def test_a_worker_that_dies_after_its_node_joined_the_round_breaks_that_round(sl
     _wait_exit(victim)
     assert workers.poll(lambda result: True) is None  # the spare takes the slot
     workers.gens.join_node(1, "node1", {0: 2, 1: 3}, head_limit=3)
-    assert workers.board.wait(0, 1, "plan", timeout_s=10)["ok"] and workers.gen == 1
+    assert workers.board.wait(0, 1, "plan", timeout_s=10)["faulted"]  # its workers ask for 2 instead
+    deadline = time.monotonic() + 10
+    while workers.gen < 1 and time.monotonic() < deadline:  # round 1 still closes: 2 builds on it
+        time.sleep(0.01)
+    assert workers.gen == 1
     pushed = workers.board.wait_fault(0, 1, timeout_s=1)
     assert pushed["ok"] and pushed["value"]["gen"] == 1 and pushed["value"]["kind"] == "worker_died"
     replaced = next(e for e in events() if e["kind"] == "agent.inprocess_replace")

@@ -460,11 +460,17 @@ class RoundBoard:
             return {"ok": True, "value": self._faults[epoch]}
 
     def wait(self, epoch: int, gen: int, name: str, timeout_s: float) -> dict[str, Any]:
-        """``{"ok": True, "value": ...}``, ``{"ok": False, "error": ...}``, or a timeout answer."""
+        """``{"ok": True, "value": ...}``, ``{"ok": False, "error": ...}``, or a timeout answer.  A
+        wait for a generation that a pushed fault broke ends at once (``faulted``): its store may
+        never be published (its rank 0 left), and the worker asks for the next one instead."""
         self.on_wait(epoch, gen, name)
         deadline = time.monotonic() + timeout_s
         with self._cond:
             while (epoch, gen, name) not in self._values:
+                fault = self._faults.get(epoch)
+                if fault is not None and int(fault["gen"]) >= gen:
+                    return {"ok": False, "faulted": True,
+                            "error": f"generation {gen} was faulted: {fault.get('kind', 'fault')} of {fault.get('node')}"}
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return {"ok": False, "error": f"the agent had no {name} of generation {gen} within {timeout_s:g}s"}

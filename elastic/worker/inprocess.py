@@ -21,8 +21,9 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -55,6 +56,8 @@ from elastic.control.store import StoreError
 from elastic.worker.faultwatch import FaultLatch, FaultMonitor, PeerAborted, install_hang_switch
 from elastic.worker.generation import GenerationClient, RecoveryUnavailable
 from elastic.worker.reshard import Layout, describe, plan, providers, shard_sources, transfer
+
+T = TypeVar("T")
 
 
 
@@ -291,6 +294,7 @@ class InProcess:
         first start: NCCL then initialises eagerly and the mesh's groups are split from it
         (``ncclCommSplit``) instead of each bootstrapping a communicator of its own."""
         rank = self.rank = self.round.rank_in(plan)
+        self.latch.check(plan.gen)  # a pushed fault broke it before it formed: its store may be gone
         store = self._store(plan, rank)
         self.latch.check(plan.gen)  # torn down while the store formed: a peer of it failed
         cuda = self.device is not None and self.device.type == "cuda"
@@ -306,7 +310,8 @@ class InProcess:
             self.round.publish_store(plan.gen, f"{self.env.local_addr or '127.0.0.1'}:{store.port}")
             return store
         host, _, port = self.round.store_address(plan.gen).rpartition(":")
-        return dist.TCPStore(host, int(port), plan.world, False, timedelta(seconds=self.join_timeout_s))
+        return until_torn(self.latch, plan.gen, lambda: dist.TCPStore(
+            host, int(port), plan.world, False, timedelta(seconds=self.join_timeout_s)))
 
     # -- restore ------------------------------------------------------------------------------
     def restore(self, state: dict[str, Any]) -> tuple[int, dict[str, Any], str]:
@@ -426,6 +431,32 @@ class InProcess:
                 if fetched is not None:
                     held[meta.rank] = fetched
         return held
+
+
+def until_torn(latch: FaultLatch, gen: int, connect: Callable[[], T]) -> T:
+    """``connect()`` (a c10d store client's connect), abandoned with PeerAborted as soon as
+    generation ``gen`` is torn down.  Why: a client retries its connect in C until its timeout (the
+    join timeout, 60 s), and nothing of the abort reaches it -- there is no socket to cut yet; when
+    the generation's rank 0 left after publishing its store (a second fault), measured under a CPU
+    hog, that wait outlived the whole recovery.  The abandoned attempt ends by its own timeout, in
+    its thread, and its result is dropped."""
+    done: dict[str, Any] = {}
+
+    def attempt() -> None:
+        try:
+            done["value"] = connect()
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
+            done["error"] = exc
+
+    thread = threading.Thread(target=attempt, name=f"store-connect-g{gen}", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        latch.torn_event.wait(0.01)
+        latch.check(gen)
+        thread.join(0.0)
+    if "error" in done:
+        raise done["error"]
+    return done["value"]
 
 
 def abort_generation(keep_ports: set[int]) -> dict[str, Any]:
