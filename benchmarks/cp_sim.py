@@ -206,7 +206,7 @@ class SimNode:
         if dead_local is not None:
             self.ranks[dead_local] = self._rank(dead_local, join_gen=gen + 1)
             self.workers.pids[dead_local] = self._next_pid()  # the spare holds the slot (InProcessWorkers._replace)
-            self.workers.want(gen + 1)
+            self.workers.replaced_in_place(gen + 1)  # as InProcessWorkers._replace: the node closes it in place
         if self.args.rank_threads == "node":  # the node's ranks one after the other, in one thread
             ranks = [self.ranks[local] for local in sorted(self.ranks)]
             threads.append(threading.Thread(target=lambda: [self._reform(t0, r, results) for r in ranks], daemon=True))

@@ -302,3 +302,23 @@ def test_a_node_lost_after_this_node_joined_a_round_breaks_that_round(slots):
     workers.plan = Plan(gen=1, old_world=4, gone=("node2",))
     workers._peer_gone("node2", "127.0.0.1:1", "a late notice")
     assert workers.board.wait_fault(0, 2, timeout_s=0.2)["ok"] is False  # nothing new
+
+
+def test_a_slot_the_spare_took_closes_its_round_in_place(slots):
+    """A worker died, the spare took its slot: this node writes generation 1's plan itself (every
+    rank kept), and its round ends without waiting for node1's join."""
+    workers, children, started, events = slots
+    workers.start_spare()
+    workers.ranks = {0: 0, 1: 1}
+    workers.register()
+    workers.gens.register_node("node1", {0: 2, 1: 3})
+    _hold(workers, children, 1, "import time; time.sleep(30)")
+    victim = _hold(workers, children, 0, "import os, signal; os.kill(os.getpid(), signal.SIGKILL)")
+    _wait_exit(victim)
+    assert workers.poll(lambda result: True) is None  # the spare takes the slot and round 1 starts
+    answer = workers.board.wait(0, 1, "plan", timeout_s=10)
+    plan = Plan.from_record(answer["value"]["plan"])
+    assert plan.by == "node0" and plan.keeps_ranks() and plan.world == 4
+    assert answer["value"]["slots"] == {"0": 0, "1": 1} and workers.ranks == {0: 0, 1: 1}
+    closed = next(e for e in events() if e["kind"] == "round.in_place")
+    assert closed["gen"] == 1 and closed["world"] == 4

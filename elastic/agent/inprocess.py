@@ -46,7 +46,7 @@ from elastic.common.env import WorkerEnv
 from elastic.common.events import EventLog
 from elastic.common.exits import EXIT_CHECKPOINT, EXIT_CONFIG, EXIT_NUMERICS, EXIT_RECOVERY_FAILED, EXIT_SCREEN_FAILED
 from elastic.common.procs import NotOurChild, reap, reap_quietly, terminate_tree
-from elastic.control.generations import GenerationFailed, Generations, Plan
+from elastic.control.generations import GenerationFailed, Generations, Plan, plan_in_place
 from elastic.control.genround import NodeRound
 from elastic.control.runstate import RunState
 from elastic.control.store import StoreError
@@ -218,6 +218,7 @@ class InProcessWorkers:
         self.wanted = 0  # the newest generation a worker asked for (a fault report, a wait, a replacement)
         self._rounds: set[int] = set()  # generations this node joined (one round thread each)
         self._offered: dict[int, set[int]] = {}  # generation -> the slot processes this node joined it with
+        self._in_place: set[int] = set()  # generations this node closes at once: its spare took a slot (plan_in_place)
         self._fault_steps: dict[int, int] = {}  # generation -> the step its fault hit (a worker's report)
         self.board = memstate.board if memstate is not None else RoundBoard()
         self.board.on_wait = lambda epoch, gen, name: self.want(gen) if epoch == self.epoch else None
@@ -417,12 +418,18 @@ class InProcessWorkers:
             self._new_spare()
             return False
         self.pids[local] = spare.pid
-        self.want(gen)
+        self.replaced_in_place(gen)
         self.on_replace()
         self.events.emit("agent.inprocess_replace", local_rank=local, spare_pid=spare.pid, gen=gen, detail=detail)
         return True
 
     # -- generation rounds ----------------------------------------------------------------------
+    def replaced_in_place(self, gen: int) -> None:
+        """A spare holds a dead worker's slot: generation ``gen`` is the last one with every rank
+        kept, and this node writes its plan as its round starts (:meth:`_close_in_place`)."""
+        self._in_place.add(gen)
+        self.want(gen)
+
     def want(self, gen: int) -> None:
         """A worker needs generation ``gen`` (its fault report, its wait for the plan, a replacement)."""
         self.wanted = max(self.wanted, gen)
@@ -446,6 +453,7 @@ class InProcessWorkers:
                            self.config.join_timeout_s, on_lost=lambda node, why: self._name_lost(node, gen, why),
                            emit=self.events.emit, stopped=self._closed.is_set, notice=notice)
         try:
+            self._close_in_place(gen)
             plan = round_.run()
             self._adopt(plan, slots)
             self.board.post(self.epoch, gen, "plan", {"plan": json.loads(plan.to_json()),
@@ -458,6 +466,24 @@ class InProcessWorkers:
             self.board.fail(self.epoch, gen, ("plan", "store"), str(exc))
         finally:
             round_.close()
+
+    def _close_in_place(self, gen: int) -> None:
+        """Write generation ``gen``'s plan now when this node's spare took a slot and ``gen`` follows
+        the plan it holds (:func:`~elastic.control.generations.plan_in_place`): the round then ends
+        as each node's join reads the plan back, with no coordinator waiting for every join (one
+        read of the roster and one compare-and-swap, by this node alone).  A round another node
+        closed first keeps its plan; a failure here leaves the round to run as usual."""
+        held = self.plan.gen if self.plan is not None else 0
+        if gen not in self._in_place or held != gen - 1:
+            return
+        t0 = time.monotonic()
+        try:
+            plan = self.gens.close(plan_in_place(gen, self.gens.roster(), self.plan, self.spec.node_id))
+        except (GenerationFailed, StoreError) as exc:
+            self.events.emit("round.in_place_failed", gen=gen, error=str(exc)[:300])
+            return
+        self.events.emit("round.in_place", gen=gen, by=plan.by, world=plan.world, nodes=plan.nodes,
+                         close_s=round(time.monotonic() - t0, 4))
 
     def _adopt(self, plan: Plan, slots: dict[int, int]) -> None:
         """This node's slots' ranks in the new generation (the plan is a delta: applied locally)."""

@@ -135,6 +135,24 @@ def plan_next(gen: int, roster: Roster, previous: Plan | None, joined: dict[str,
                                                                             for s in leaving})), by)
 
 
+def plan_in_place(gen: int, roster: Roster, previous: Plan | None, by: str) -> Plan:
+    """Generation ``gen`` when a node's warm spare took a dead worker's slot and nothing else
+    changed: every node of ``gen - 1`` stays, every rank keeps its number.  The node that replaced
+    the worker writes it at once (:meth:`Generations.close`), so the round needs no coordinator's
+    wait for every join: each node's join reads the plan back in its own transaction.  Should
+    another node have been lost meanwhile, the generation fails to form (that node's ranks never
+    come), the loss is pushed as a fault of ``gen``, and ``gen + 1`` forms by the full round."""
+    gone = set(previous.gone) if previous else set()
+    joined: dict[str, dict[int, int]] = {}
+    for slot, rank in ranks_at(roster, previous).items():
+        if slot.node not in gone:
+            joined.setdefault(slot.node, {})[slot.local_rank] = rank
+    plan = plan_next(gen, roster, previous, joined, set(), by=by)
+    if plan is None:
+        raise GenerationFailed(f"generation {gen}: no node of generation {gen - 1} to keep")
+    return plan
+
+
 @dataclass
 class JoinView:
     """What a node's join transaction read back, at one revision."""
