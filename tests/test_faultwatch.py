@@ -237,6 +237,55 @@ def test_the_monitor_acts_on_a_fault_of_its_generation_only():
         monitor.stop()
 
 
+def _board_channel():
+    class Channel:
+        def __init__(self) -> None:
+            self.board = RoundBoard()
+
+        def fault_wait(self, epoch, since_gen, timeout_s):
+            answer = self.board.wait_fault(epoch, since_gen, timeout_s)
+            return answer["ok"] and answer["value"] or None
+    return Channel()
+
+
+@pytest.mark.parametrize("reaches_recovery", [False, True])
+def test_a_training_thread_that_never_reaches_its_recovery_ends_the_process(reaches_recovery):
+    """The training thread sits in a C call the abort does not end (here a sleep; once it was a
+    gloo wait): the unwind cannot land, so after STUCK_S the monitor ends the process (on_stuck)
+    and its spare takes the slot.  A thread that reaches its recovery in time is left alone."""
+    channel, events, stuck = _board_channel(), [], threading.Event()
+    latch = FaultLatch(lambda: {"connections": 0})
+    latch.forming(2)
+    monitor = FaultMonitor(channel, 0, latch, lambda kind, **f: events.append((kind, f)), lambda: latch.gen,
+                           on_stuck=stuck.set)
+    monitor.POLL_S, monitor.STUCK_S = 0.05, 0.3
+    inside = threading.Event()
+
+    def training() -> None:
+        try:
+            with latch.armed():
+                inside.set()
+                time.sleep(0.05 if reaches_recovery else 1.5)  # C: an asynchronous exception waits
+        except PeerAborted:
+            pass
+        if reaches_recovery:
+            latch.note_recovering()  # InProcess.leave()
+
+    thread = threading.Thread(target=training)
+    thread.start()
+    assert inside.wait(5.0)
+    monitor.start()
+    try:
+        channel.board.post_fault(0, {"gen": 2, "node": "n4", "kind": "node_lost", "ts": time.time()})
+        assert stuck.wait(1.2) is not reaches_recovery
+        if not reaches_recovery:
+            name, fields = next(e for e in events if e[0] == "recovery.stuck")
+            assert fields["gen"] == 2 and any("training" in line for line in fields["where"])
+    finally:
+        monitor.stop()
+        thread.join(5.0)
+
+
 def test_a_hang_ends_only_when_its_generation_is_torn_down():
     latch = FaultLatch(dict)
     latch.forming(5)

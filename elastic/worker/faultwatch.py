@@ -32,8 +32,11 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import signal
+import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
@@ -71,6 +74,7 @@ class FaultLatch:
         self.gen = 0  # the generation whose groups are live or forming
         self._torn: set[int] = set()
         self.torn_event = threading.Event()  # set while self.gen is torn down
+        self.recovering = threading.Event()  # set once the training thread began leaving self.gen (leave())
         self.fault: dict[str, Any] | None = None  # the pushed fault that tore a generation down, if one did
         self._armed = False
         self._thread_id = threading.main_thread().ident
@@ -81,10 +85,15 @@ class FaultLatch:
         """The training thread now forms generation ``gen`` (after tearing the previous one down)."""
         with self._lock:
             self.gen = gen
+            self.recovering.clear()
             if gen in self._torn:  # a pushed fault broke it before it formed (fault_through)
                 self.torn_event.set()
             else:
                 self.torn_event.clear()
+
+    def note_recovering(self) -> None:
+        """The training thread reached its recovery (it leaves the generation): it was not stuck."""
+        self.recovering.set()
 
     def torn(self) -> bool:
         """The current generation was torn down: any error of its world is that abort's doing
@@ -181,13 +190,23 @@ class FaultMonitor:
     POLL_S = 30.0
     """One fault wait's length: the request is re-sent this often while nothing happens (loopback)."""
 
+    STUCK_S = 10.0
+    """How long the training thread may take, after this monitor tore its generation down, to reach
+    its recovery.  It normally takes milliseconds: the abort fails what it waits on and the
+    unwind lands at its next bytecode.  One thread stayed in a gloo ``work.wait()`` through the
+    abort and the cut sockets (once in ~20 node losses under a CPU hog; cause not found), until the
+    hang detector's 60 s and a restart from disk.  Past this, the process ends itself
+    (``on_stuck``): its agent sees a worker die and its warm spare takes the slot in-process."""
+
     def __init__(self, channel: FaultChannel, epoch: int, latch: FaultLatch,
-                 emit: Callable[..., None], current_gen: Callable[[], int]) -> None:
+                 emit: Callable[..., None], current_gen: Callable[[], int],
+                 on_stuck: Callable[[], None] | None = None) -> None:
         self.channel = channel
         self.epoch = epoch
         self.latch = latch
         self.emit = emit
         self.current_gen = current_gen
+        self.on_stuck = on_stuck or _kill_self
         self.handled = -1  # the newest generation whose fault this monitor acted on
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="fault-monitor", daemon=True)
@@ -222,6 +241,30 @@ class FaultMonitor:
                   by=fault.get("by"), reason=str(fault.get("reason", ""))[:300], acted=figures is not None,
                   unwound=unwound, abort_s=round(time.monotonic() - t0, 4),
                   since_push_s=round(time.time() - pushed_at, 4) if pushed_at else None, **(figures or {}))
+        if figures is not None:
+            self._watch_recovery(self.latch.gen)
+
+    def _watch_recovery(self, gen: int) -> None:
+        """The training thread must reach its recovery within STUCK_S of the teardown (see there)."""
+        def watch() -> None:
+            if self.latch.recovering.wait(self.STUCK_S) or self._stop.is_set() or self.latch.gen != gen:
+                return
+            self.emit("recovery.stuck", gen=gen, waited_s=self.STUCK_S, where=_training_stack(self.latch))
+            self.on_stuck()
+
+        threading.Thread(target=watch, name=f"recovery-watch-g{gen}", daemon=True).start()
+
+
+def _training_stack(latch: FaultLatch) -> list[str]:
+    """Where the training thread is blocked: its innermost frames, ``file:line function``."""
+    frame = sys._current_frames().get(latch._thread_id or 0)
+    return [f"{os.path.basename(f.filename)}:{f.lineno} {f.name}"
+            for f in traceback.extract_stack(frame)[-6:]] if frame is not None else []
+
+
+def _kill_self() -> None:
+    """SIGKILL: nothing of this process can be trusted to unwind (its agent reaps the death)."""
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 # -- the test switch ----------------------------------------------------------------------

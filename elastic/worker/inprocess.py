@@ -265,6 +265,7 @@ class InProcess:
         """Leave the current generation (idempotent): the last snapshot push settled, every process
         group aborted and connection cut (unless the fault monitor did it already), the device
         drained.  A spare has no world to leave before its first plan."""
+        self.latch.note_recovering()  # not stuck: the fault monitor's watch ends
         if self.pusher is not None:
             self.pusher.wait()
             self.pusher.take_error()  # the failed world's last capture: moot now
