@@ -86,6 +86,8 @@ def test_dit_2x2_cp2_worker_kill_recovers_in_process_bitwise(tmp_path, subproces
     assert _steps_lost(events, kill_ts) <= 1
     replaced = [e for e in events if e["kind"] == "agent.inprocess_replace"]
     assert [e["source"] for e in replaced] == ["agent/node1"]
+    # The world kept every rank: node1 wrote the plan itself as its round began (plan_in_place).
+    assert [e["source"] for e in events if e["kind"] == "round.in_place"] == ["agent/node1"]
     spare = next(e for e in events if e["kind"] == "trainer.start" and e["ts"] > kill_ts)
     assert spare["loaded_from"] == "agent memory" and spare["cp"] == 2
     # The three healthy workers never restarted: each finished in the process it started in.

@@ -322,3 +322,18 @@ def test_a_slot_the_spare_took_closes_its_round_in_place(slots):
     assert answer["value"]["slots"] == {"0": 0, "1": 1} and workers.ranks == {0: 0, 1: 1}
     closed = next(e for e in events() if e["kind"] == "round.in_place")
     assert closed["gen"] == 1 and closed["world"] == 4
+
+
+def test_a_plan_that_still_counts_a_node_found_lost_is_faulted_at_once(slots):
+    """A worker's death and a node's loss meet: the in-place plan keeps every node, the loss's own
+    fault was of the older generation (one per generation: unheard).  The agent that found the node
+    lost pushes the new plan's generation as broken, so the next round (a full one) leaves it out."""
+    workers, _, _, _ = slots
+    workers.push_fault("node1", "worker_died", "a worker of node1 died")  # generation 0 broke
+    workers._peer_gone("node2", "127.0.0.1:1", "its agent closed the connection")  # no record: gone
+    assert workers.board.wait_fault(0, 1, timeout_s=0.1)["ok"] is False  # generation 0's fault: unheard
+    workers._check_counts(Plan(gen=1, old_world=4, gone=("node2",)))
+    assert workers.board.wait_fault(0, 1, timeout_s=0.1)["ok"] is False  # a plan without it: nothing to say
+    workers._check_counts(Plan(gen=1, old_world=4, by="node1"))  # written in place by node1: counts node2
+    pushed = workers.board.wait_fault(0, 1, timeout_s=1)
+    assert pushed["ok"] and pushed["value"]["gen"] == 1 and pushed["value"]["node"] == "node2"

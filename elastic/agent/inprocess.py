@@ -219,6 +219,7 @@ class InProcessWorkers:
         self._rounds: set[int] = set()  # generations this node joined (one round thread each)
         self._offered: dict[int, set[int]] = {}  # generation -> the slot processes this node joined it with
         self._in_place: set[int] = set()  # generations this node closes at once: its spare took a slot (plan_in_place)
+        self._gone: dict[str, str] = {}  # nodes this agent found lost (its ring watch, its round's probes) -> why
         self._fault_steps: dict[int, int] = {}  # generation -> the step its fault hit (a worker's report)
         self.board = memstate.board if memstate is not None else RoundBoard()
         self.board.on_wait = lambda epoch, gen, name: self.want(gen) if epoch == self.epoch else None
@@ -456,6 +457,7 @@ class InProcessWorkers:
             self._close_in_place(gen)
             plan = round_.run()
             self._adopt(plan, slots)
+            self._check_counts(plan)
             self.board.post(self.epoch, gen, "plan", {"plan": json.loads(plan.to_json()),
                                                       "slots": {str(local): old for local, old in slots.items()}})
             self.events.emit("agent.round_plan", gen=gen, world=plan.world, nodes=plan.nodes, lost=list(plan.lost),
@@ -484,6 +486,18 @@ class InProcessWorkers:
             return
         self.events.emit("round.in_place", gen=gen, by=plan.by, world=plan.world, nodes=plan.nodes,
                          close_s=round(time.monotonic() - t0, 4))
+
+    def _check_counts(self, plan: Plan) -> None:
+        """A plan that still counts a node this agent found lost breaks as it forms (that node's ranks
+        never come): push it as a fault of the plan's generation at once, so the next round, a full
+        one, leaves the node out.  It happens when a worker's death and a node's loss meet: the
+        in-place plan, or a round closed before the loss was seen, keeps every node, and the
+        loss's own fault was of the older generation (one per generation: it went unheard)."""
+        counted = sorted(set(self._gone) - set(plan.gone))
+        if counted:
+            node = counted[0]
+            self.push_fault(node, "node_lost", f"generation {plan.gen} counts lost node {node}: {self._gone[node]}"[:300],
+                            gen=plan.gen)
 
     def _adopt(self, plan: Plan, slots: dict[int, int]) -> None:
         """This node's slots' ranks in the new generation (the plan is a delta: applied locally)."""
@@ -541,6 +555,7 @@ class InProcessWorkers:
         """The run's one record of this loss, written by the agent that declared it (the leader's
         later look finds it and writes nothing): named even when the run ends within a lease TTL."""
         self.events.emit("agent.node_lost", node=node, gen=gen, reason=reason)
+        self._gone[node] = reason
         step = self._fault_steps.get(gen)
         detail = f"{node} lost in generation {gen}: {reason}"
         try:
@@ -616,6 +631,7 @@ class InProcessWorkers:
             return  # it answers, or finished: the watch re-holds the ring's successor
         if self.memstate is not None and self.memstate.buddy_link is not None:
             self.memstate.buddy_link.skip(node)
+        self._gone[node] = verdict
         if self.plan is not None and node in self.plan.gone and self.plan.gen >= max(self._rounds, default=0):
             return  # the newest generation was formed without it: its loss is counted already
         # The newest round this node joined may count it (it died after joining): that generation
