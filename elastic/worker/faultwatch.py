@@ -191,12 +191,14 @@ class FaultMonitor:
     """One fault wait's length: the request is re-sent this often while nothing happens (loopback)."""
 
     STUCK_S = 10.0
-    """How long the training thread may take, after this monitor tore its generation down, to reach
-    its recovery.  It normally takes milliseconds: the abort fails what it waits on and the
-    unwind lands at its next bytecode.  One thread stayed in a gloo ``work.wait()`` through the
-    abort and the cut sockets (once in ~20 node losses under a CPU hog; cause not found), until the
-    hang detector's 60 s and a restart from disk.  Past this, the process ends itself
-    (``on_stuck``): its agent sees a worker die and its warm spare takes the slot in-process."""
+    """How long the training thread may take, after this monitor tore its generation down and raised
+    into its step, to reach its recovery.  It normally takes milliseconds: the abort fails what it
+    waits on and the unwind lands at its next bytecode.  (Only a step is watched: a spare's build or
+    a restore's fetch runs no collective and may rightly take longer before it notices.)  One
+    thread stayed in a gloo ``work.wait()`` through the abort and the cut sockets (2 of ~20 node
+    losses under a CPU hog; cause not found), until the hang detector's 60 s and a restart from
+    disk.  Past this, the process ends itself (``on_stuck``): its agent sees a worker die and its
+    warm spare takes the slot in-process."""
 
     def __init__(self, channel: FaultChannel, epoch: int, latch: FaultLatch,
                  emit: Callable[..., None], current_gen: Callable[[], int],
@@ -241,7 +243,7 @@ class FaultMonitor:
                   by=fault.get("by"), reason=str(fault.get("reason", ""))[:300], acted=figures is not None,
                   unwound=unwound, abort_s=round(time.monotonic() - t0, 4),
                   since_push_s=round(time.time() - pushed_at, 4) if pushed_at else None, **(figures or {}))
-        if figures is not None:
+        if unwound:  # raised into a step: one that has not left it by STUCK_S is blocked in C
             self._watch_recovery(self.latch.gen)
 
     def _watch_recovery(self, gen: int) -> None:
