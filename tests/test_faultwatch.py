@@ -55,6 +55,31 @@ def test_a_wait_for_a_faulted_generation_ends_at_once():
     assert board.wait(0, 3, "plan", 5.0) == {"ok": True, "value": {"gen": 3}}
 
 
+def test_a_faulted_generation_reaches_the_worker_as_a_peer_failure_it_retries():
+    """Over the real memory store: the worker's wait raises GenerationFaulted, and the worker's
+    judgement (is_peer_failure, as after a collective's error) re-forms for the next generation."""
+    from elastic.checkpoint.memstate import GenerationFaulted
+    from elastic.common.env import WorkerEnv
+    from elastic.worker.generation import GenerationClient, RecoveryUnavailable
+    from elastic.worker.inprocess import is_peer_failure
+
+    server = MemStateServer(1 << 20)
+    try:
+        client = MemStateClient(server.addr, server.token, 5.0)
+        server.board.post_fault(0, {"gen": 3, "node": "n2", "kind": "node_lost"})
+        with pytest.raises(GenerationFaulted, match="generation 3 was faulted"):
+            client.round_wait(0, 3, "store", 5.0)
+        env = WorkerEnv(node_id="n1", run_id="r", etcd_endpoint="127.0.0.1:1", run_prefix="/p", epoch="0",
+                        inprocess="5", join_gen="3")
+        spare = GenerationClient(env, 0, client)
+        with pytest.raises(RecoveryUnavailable) as raised:
+            spare.next_plan()
+        assert is_peer_failure(raised.value)
+        assert not is_peer_failure(RecoveryUnavailable("no snapshot of step 7 for rank 2"))
+    finally:
+        server.close()
+
+
 def test_a_store_connect_is_abandoned_when_its_generation_is_torn_down():
     """A c10d store client retries its connect in C until its timeout; nothing of an abort reaches
     it.  until_torn gives up on it as soon as the generation is torn down."""

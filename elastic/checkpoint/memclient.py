@@ -17,6 +17,7 @@ from elastic.checkpoint import checksum, shm
 from elastic.checkpoint.memstate import (
     Chunk,
     EntryMeta,
+    GenerationFaulted,
     MemStateCorrupt,
     MemStateRejected,
     MemStateUnavailable,
@@ -234,7 +235,7 @@ class MemStateClient:
             except (OSError, ValueError, ConnectionError) as exc:
                 raise MemStateUnavailable(f"waiting for the {name} of generation {gen} failed: {exc}") from exc
         if not reply.get("ok"):
-            raise MemStateRejected(str(reply.get("error")))
+            raise (GenerationFaulted if reply.get("faulted") else MemStateRejected)(str(reply.get("error")))
         return reply.get("value")
 
     def fault_wait(self, epoch: int, since_gen: int, timeout_s: float) -> dict[str, Any] | None:

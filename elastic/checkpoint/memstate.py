@@ -68,6 +68,10 @@ class MemStateRejected(MemStateError):
     """The cache refused a request (stale push, too large, bad token, corrupt upload)."""
 
 
+class GenerationFaulted(MemStateRejected):
+    """A wait for a generation's plan or store ended because a pushed fault broke that generation."""
+
+
 class MemStateCorrupt(MemStateError):
     """An entry's bytes do not match its sha256."""
 

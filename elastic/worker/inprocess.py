@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from elastic.checkpoint.memclient import MemStateClient
 from elastic.checkpoint.memory import as_state_dicts
-from elastic.checkpoint.memstate import MemStateError
+from elastic.checkpoint.memstate import GenerationFaulted, MemStateError
 from elastic.checkpoint.snapshot import (
     Snapshot,
     SnapshotError,
@@ -63,10 +63,11 @@ T = TypeVar("T")
 
 def is_peer_failure(exc: BaseException) -> bool:
     """A collective error caused by another rank going away (gloo/NCCL texts, or a pushed fault's
-    abort: :class:`~elastic.worker.faultwatch.PeerAborted`), not a bug here."""
+    abort: :class:`~elastic.worker.faultwatch.PeerAborted`; a wait for a generation a pushed fault
+    broke: :class:`~elastic.checkpoint.memstate.GenerationFaulted`), not a bug here."""
     seen = 0
     while exc is not None and seen < 8:
-        if isinstance(exc, PeerAborted):
+        if isinstance(exc, (PeerAborted, GenerationFaulted)):
             return True
         if isinstance(exc, (RuntimeError, OSError)) and is_peer_lost(str(exc)):
             return True
