@@ -27,6 +27,7 @@ class LeaseKeeper:
         self.lost = threading.Event()
         self._on_lost = on_lost
         self._stop = threading.Event()
+        self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name=f"lease-{self.lease_id:x}", daemon=True)
         self._thread.start()
 
@@ -42,12 +43,21 @@ class LeaseKeeper:
             try:
                 self.store.refresh_lease(self.lease_id, timeout=per_try)
             except LeaseExpired:
-                self.lost.set()
-                if self._on_lost:
-                    self._on_lost()
+                self.mark_lost()
                 return
             except StoreError as exc:
                 log.warning("lease %x refresh failed (will retry): %s", self.lease_id, exc)
+
+    def mark_lost(self) -> None:
+        """etcd said the lease is gone (a put on it failed with "lease not found"): lost now, without
+        waiting for the next refresh (up to a third of the TTL later); ``on_lost`` runs once."""
+        with self._lock:
+            if self.lost.is_set():
+                return
+            self.lost.set()
+        self._stop.set()
+        if self._on_lost:
+            self._on_lost()
 
     def renewed(self) -> LeaseKeeper:
         """A keeper of a new lease with the same TTL and callback (this one was lost)."""
