@@ -47,7 +47,9 @@ def test_a_blocked_rank_is_named_from_its_stack_and_excluded_when_it_repeats(tmp
     innermost = main_thread(parse_threads((run / stack_file).read_text()))[0]
     assert innermost[0].endswith("elastic/worker/faults.py") and innermost[2] == "before_step"  # asleep there
     verdicts = [e for e in events if e["kind"] == "agent.hang_attribution"]
-    # The culprit's agent reaches the verdict; node0's agent reaches it too unless node1's acted first and
-    # node0's workers were already re-forming (a race seen under load); whoever reaches one names node1.
+    # The culprit's agent reaches the verdict naming node1 each time. node0's agent reaches it too unless node1's
+    # acted first and node0's worker was already re-forming when node0 probed it (a race seen under load): then
+    # no rank waits in a collective and its verdict names nobody. No verdict ever names node0.
     assert "agent/node1" in {e["source"] for e in verdicts} <= {"agent/node0", "agent/node1"}
-    assert all([c["node"] for c in e["culprits"]] == ["node1"] for e in verdicts)
+    assert sum(1 for e in verdicts if e["source"] == "agent/node1" and e["culprits"]) == 2
+    assert all({c["node"] for c in e["culprits"]} <= {"node1"} for e in verdicts)
