@@ -61,13 +61,14 @@ from elastic.checkpoint.statedict import SnapshotStateDict
 from elastic.common.collectives import check_device
 from elastic.common.config import ConfigError
 from elastic.run.schema import RunConfig, dump_run_file, load_run_file
+from elastic.worker.sdcreplay import ReplayVerification
 from elastic.worker.session import (NumericsRollback, StopTraining, Trainable, WorkerSession, exit_process,
-                                    run_worker)
+                                    parse_worker_args, run_worker)
 
 __all__ = [
-    "ConfigError", "Loop", "NumericsRollback", "RunConfig", "SnapshotStateDict", "StopTraining", "Trainable",
-    "TrainState", "WorkerSession", "dump_run_file", "exit_process", "load_run_file", "nan_guard", "run_worker",
-    "silent_fault",
+    "ConfigError", "Loop", "NumericsRollback", "ReplayVerification", "RunConfig", "SnapshotStateDict",
+    "StopTraining", "Trainable", "TrainState", "WorkerSession", "dump_run_file", "exit_process", "load_run_file",
+    "nan_guard", "parse_worker_args", "run_worker", "silent_fault",
 ]
 
 

@@ -158,7 +158,16 @@ def test_sdc_config_defaults_off_and_refuses_what_cannot_run():
         r"^sdc\.check_every: workload 'mlp' has no cross-replica agreement check":
             {"launch": {"nodes": "3"}, "replicas": {"enabled": True}, "sdc": {"check_every": 2}},
         r"^sdc\.every: unknown key": _replicas(every=2),
+        r"^sdc\.replay_every: must be >= 0 \(0: off\), got -2$": {"launch": {"workload": "dit"}, "sdc": {"replay_every": -2}},
+        r"^sdc\.replay_every: replays a rank of one world; replica-group mode has sdc\.check_every$":
+            _replicas(replay_every=5),
+        r"^sdc\.replay_every: replays on the node's warm spare: needs agent\.inprocess\.enabled and "
+        r"agent\.inprocess\.spare$":
+            {"launch": {"workload": "dit"}, "agent": {"inprocess": {"spare": False}}, "sdc": {"replay_every": 5}},
+        r"^sdc\.replay_every: workload 'mlp' cannot replay a rank's step \(the dit workload can\)$":
+            {"sdc": {"replay_every": 5}},
     }
+    assert from_dict(RunConfig, {"launch": {"workload": "dit"}, "sdc": {"replay_every": 10}}).sdc.replay
     for message, data in cases.items():
         with pytest.raises(ConfigError, match=message):
             from_dict(RunConfig, data)

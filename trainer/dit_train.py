@@ -32,18 +32,21 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from elastic.api import (ConfigError, NumericsRollback, SnapshotStateDict, WorkerSession, dump_run_file,
-                         exit_process, run_worker, silent_fault)
+from elastic.api import (ConfigError, NumericsRollback, ReplayVerification, SnapshotStateDict, WorkerSession,
+                         dump_run_file, exit_process, run_worker, silent_fault)
 from trainer.data import GlobalSampler, build_dataset, collate
 from trainer.dit import DiT, build_dit
 from trainer.dit_config import DiTTrainerConfig
 from trainer.flow import flow_loss, interpolate, per_sample_noise, velocity_target
 from trainer.fp8 import convert_to_fp8, fp8_stats
 from trainer.numerics import NumericsGuard
-from trainer.parallel import parallelize
+from trainer.parallel import TORCH_DTYPES, parallelize
 
 RESOLVED_CONFIG_NAME = "dit_trainer.yaml"
 """Written to the run directory by rank 0: what trainer.sample needs to rebuild the model."""
+REPLAY_MODULE = "trainer.dit_replay"
+"""Where a warm spare finds ``replay_gradients`` (replay verification): named, not imported, so this
+module does not import its own replay."""
 
 __all__ = ["NumericsRollback", "TrainState", "train", "main"]
 
@@ -195,6 +198,9 @@ class DiTRun:
         self.train_state = TrainState(self.model, self.optim, self.sampler, self.guard)
         self.tokens_per_step = cfg.global_batch_size * cfg.model.num_tokens
         self.last_step = cfg.steps
+        self.replay = ReplayVerification.open(session, self.model, cfg.seed, self.cp,
+                                              TORCH_DTYPES[cfg.parallel.reduce_dtype])
+        self._batch: list[int] = []
 
     def state(self) -> dict[str, Any]:
         return {"app": self.train_state}
@@ -218,12 +224,17 @@ class DiTRun:
             # is while a GPU computes; the previous step's snapshot push runs beside it.
             time.sleep(cfg.step_sleep)
         session.sync_point()
-        indices = GlobalSampler.rank_slice(self.sampler.next_global_batch(), self.dp_rank, self.dp)
+        self._batch = self.sampler.next_global_batch()
+        indices = GlobalSampler.rank_slice(self._batch, self.dp_rank, self.dp)
         if session.skip_step(step):
             # Rolled back past a bad batch: the sampler moves on, the batch is never used.
             self.train_state.step = step
             return
+        if self.replay is not None:
+            self.replay.begin(step)
         loss_value, norm_value = self.forward_backward(step, indices)
+        if self.replay is not None:
+            self.replay.end(self.replay_inputs)
         verdict = self.guard.check(loss_value, norm_value)
         lr = self.lr(step)
         if verdict.ok:
@@ -242,6 +253,10 @@ class DiTRun:
                                                     "fp8": fp8},
                          tokens_per_s=tokens_per_s, grad_norm=norm_value, lr=lr, skipped=not verdict.ok,
                          samples_seen=self.sampler.samples_seen, fp8=fp8)
+
+    def replay_inputs(self, rank: int) -> dict[str, Any]:
+        """What a spare needs besides the weights to replay ``rank``'s step: its samples (cp is 1)."""
+        return {"indices": GlobalSampler.rank_slice(self._batch, rank, self.dp)}
 
     def lr(self, step: int) -> float:
         optim = self.cfg.optim

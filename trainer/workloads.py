@@ -25,6 +25,6 @@ MLP = Workload(
 )
 DIT = Workload(
     name="dit", entry="trainer.dit_train", replica_entry="trainer.dit_ft_train", config_class=DiTTrainerConfig,
-    check_world=_dit_world, check_replicas=_dit_groups, inprocess=True, sdc_agreement=True,
+    check_world=_dit_world, check_replicas=_dit_groups, inprocess=True, sdc_agreement=True, sdc_replay=True,
     description="DiT flow matching: FSDP2, Ulysses context parallel, FP8 linears, resumable global sampler",
 )

@@ -35,6 +35,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 from elastic.agent.attempt import AttemptResult, NodeSpec, Outcome, TorchrunAttempt
 from elastic.agent.classify import FailureKind, stopping_failure
@@ -211,6 +212,7 @@ class InProcessWorkers:
         self.gen = 0
         self.step = 0  # the newest step a slot's worker reported (where a fault hits)
         self.spare: subprocess.Popen[bytes] | None = None
+        self.spare_log = Path()
         self.spare_deaths: list[float] = []  # when spares died unassigned (a node that keeps killing them)
         self.worker_env: WorkerEnv | None = None
         self.ranks: dict[int, int] = {}  # local slot -> its rank in generation self.gen
@@ -283,7 +285,8 @@ class InProcessWorkers:
 
     def start_spare(self) -> None:
         assert self._attempt is not None
-        log = open(self._attempt.dir / f"spare-{int(time.time() * 1000)}.log", "ab")
+        self.spare_log = self._attempt.dir / f"spare-{int(time.time() * 1000)}.log"
+        log = open(self.spare_log, "ab")
         cmd = [sys.executable, "-m", "elastic.worker.spare", *self.spec.entrypoint]
         self.spare = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT,
                                       env=self._attempt.env(), start_new_session=True)
@@ -299,6 +302,33 @@ class InProcessWorkers:
             self.events.emit("agent.spare_given_up", deaths=len(self.spare_deaths), within_s=60)
             return
         self.start_spare()
+
+    def ask_spare(self, request: dict) -> tuple[int | None, str]:
+        """A line for the warm spare to act on while it waits (a replay check): (its pid, "") or
+        (None, why it cannot take one)."""
+        self._check_spare()
+        spare = self.spare
+        if spare is None or spare.stdin is None:
+            return None, "no warm spare on this node"
+        if not self._spare_ready():
+            return None, "the warm spare is still importing"  # its lines would queue behind seconds of imports
+        try:
+            spare.stdin.write((json.dumps(request) + "\n").encode())
+            spare.stdin.flush()
+        except OSError as exc:
+            return None, f"the spare's stdin: {exc}"  # it died: the next look reaps and replaces it
+        return spare.pid, ""
+
+    def _spare_ready(self) -> bool:
+        """The spare's first line says it has imported (``{"spare": "ready", ...}``)."""
+        try:
+            with open(self.spare_log, "rb") as fh:
+                return b'"spare": "ready"' in fh.readline()
+        except OSError:
+            return False
+
+    def spare_pid(self) -> int | None:
+        return self.spare.pid if self.spare is not None else None
 
     def _check_spare(self) -> None:
         """A spare that died while waiting is noticed now (reaped) and replaced by a new one."""

@@ -25,6 +25,7 @@ from elastic.agent.inprocess import InProcessWorkers
 from elastic.agent.metrics import AgentMetrics
 from elastic.agent.records import NodeRecords
 from elastic.agent.remote_faults import RemoteFaults
+from elastic.agent.replays import ReplayChecks
 from elastic.agent.scopes import RestartScope
 from elastic.common.events import EventLog
 from elastic.control.runstate import RunState
@@ -59,6 +60,8 @@ class Supervisor:
         """Chaos faults delivered through etcd: fed this node's reports, polled every loop."""
         self.hangs = HangAttribution(node_id, metrics.run_dir, state, events,
                                      wait_s=config.heartbeat.step_timeout_s / 2)
+        self.replays = ReplayChecks(node_id, state, events)
+        """Replay verification: this node's checked ranks' checksums, its spare's replays."""
         self._noticed: set[tuple[int, int]] = set()  # (epoch, generation) faults this agent recorded
         self.signals: SignalWatch | None = None
         """The run-wide signals of the attempt being watched (one watch stream, closed with it)."""
@@ -81,7 +84,9 @@ class Supervisor:
         if workers is not None:
             workers.on_replace = self.monitor.recovering
             workers.drain_reports = lambda: self._drain(attempt, epoch)
+
         self.workers, self.on_failure = workers, on_failure
+        self.replays.attach(workers)
         self.hangs.reset()
         self._numerics_step: int | None = None
         self.screened = None
@@ -111,6 +116,7 @@ class Supervisor:
                 return AttemptResult(Outcome.STOPPED)
             if self.faults is not None:
                 self.faults.poll()
+            self.replays.poll()
             result = self._poll_run(attempt, epoch)
             if result is not None:
                 return result
@@ -130,6 +136,7 @@ class Supervisor:
         for report in self.inbox.drain():
             self.metrics.observe_report(report)
             self._on_report(report, attempt, epoch)
+            self.replays.observe(report)
             if self.faults is not None:
                 self.faults.observe(report)
 

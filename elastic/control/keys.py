@@ -23,6 +23,8 @@ can be listed, inspected (``elastic status``) and cleaned up as one prefix range
                                its final state once its agent left cleanly, "lost" once the leader
                                found its lease expired
     hangs/<epoch>/<node>       a stalled node's ranks: where each one is (hang attribution)
+    sdc/sums/<rank>            that rank's last few replay checks: its gradient's checksums by step,
+                               the world (epoch.generation) that computed them (one key per rank)
     diag/<node>                newest screen verdict
     admission/{token,fingerprint}
     checkpoint/latest          newest committed checkpoint (a hint; disk is the truth)
@@ -189,6 +191,9 @@ class RunKeys:
 
     def diag(self, node_id: str) -> str:
         return self._k("diag", node_id)
+
+    def replay_sum(self, rank: int) -> str:
+        return self._k("sdc", "sums", str(rank))
 
     # -- chaos: faults delivered through etcd to a node's agent ----------------
     def chaos_request(self, node_id: str, request_id: str) -> str:

@@ -276,6 +276,13 @@ class RunState:
     def hangs(self, epoch: int) -> dict[str, dict[str, Any]]:
         return self._records(self.keys.hangs(epoch))
 
+    # -- replay verification ---------------------------------------------------------
+    def put_replay_sum(self, rank: int, record: dict[str, Any]) -> None:
+        self._put(self.keys.replay_sum(rank), record)
+
+    def replay_sum(self, rank: int) -> dict[str, Any] | None:
+        return self._record(self.keys.replay_sum(rank))
+
     def put_diag(self, node_id: str, record: dict[str, Any] | str) -> None:
         value = record if isinstance(record, str) else json.dumps(record, default=str)
         self.store.put(self.keys.diag(node_id), value)

@@ -197,6 +197,7 @@ class RunConfig:
 
     def _check_sdc(self, workload: Workload | None) -> None:
         """An SDC check that cannot run is an error, not a silent no-op."""
+        self._check_replay(workload)
         if not self.sdc.agreement:
             return
         if not self.replicas.enabled:
@@ -204,6 +205,19 @@ class RunConfig:
         if workload is not None and workloads.SDC_AGREEMENT not in workload.capabilities:
             raise ConfigError("sdc.check_every", f"workload {workload.name!r} has no cross-replica agreement "
                                                  f"check (it is in the dit workload's replica trainer)")
+
+    def _check_replay(self, workload: Workload | None) -> None:
+        if not self.sdc.replay:
+            return
+        if self.replicas.enabled:
+            raise ConfigError("sdc.replay_every", "replays a rank of one world; replica-group mode has sdc.check_every")
+        inproc = self.agent.inprocess
+        if not (inproc.enabled and inproc.spare):
+            raise ConfigError("sdc.replay_every", "replays on the node's warm spare: needs agent.inprocess.enabled "
+                                                  "and agent.inprocess.spare")
+        if workload is not None and workloads.SDC_REPLAY not in workload.capabilities:
+            raise ConfigError("sdc.replay_every", f"workload {workload.name!r} cannot replay a rank's step "
+                                                  f"(the dit workload can)")
 
     def _check_timeout_ladder(self) -> None:
         """Replica-group mode's timeouts must rise: Lighthouse heartbeat < quorum < collective < hang.

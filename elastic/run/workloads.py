@@ -25,6 +25,9 @@ INPROCESS = "inprocess"
 """Capability: the trainer runs in a WorkerSession loop that can re-form its world in-process."""
 SDC_AGREEMENT = "sdc_agreement"
 """Capability: its replica entry point runs the cross-replica agreement check (``sdc.check_every``)."""
+SDC_REPLAY = "sdc_replay"
+"""Capability: its trainer takes part in replay verification (``sdc.replay_every``) and its module
+can replay one rank's gradient on a spare (``replay_gradients``)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -43,6 +46,8 @@ class Workload:
     """Its trainer drives its steps through ``WorkerSession.train`` (in-process recovery works)."""
     sdc_agreement: bool = False
     """Its replica entry point compares the groups' parameter checksums (``sdc.check_every``)."""
+    sdc_replay: bool = False
+    """Its trainer runs replay verification (``sdc.replay_every``)."""
     check_world: Callable[[Any, int], None] | None = None
     """Raises ConfigError (path relative to ``trainer``) for a world size the config cannot use."""
     check_replicas: Callable[[Any, int, int], None] | None = None
@@ -52,7 +57,8 @@ class Workload:
     @property
     def capabilities(self) -> frozenset[str]:
         return frozenset(name for name, on in ((REPLICAS, bool(self.replica_entry)), (INPROCESS, self.inprocess),
-                                               (SDC_AGREEMENT, self.sdc_agreement)) if on)
+                                               (SDC_AGREEMENT, self.sdc_agreement), (SDC_REPLAY, self.sdc_replay))
+                         if on)
 
     def argv(self, replicas: bool) -> list[str]:
         return ["-m", self.replica_entry if replicas else self.entry]

@@ -9,7 +9,7 @@ from elastic.common.config import ConfigError
 
 @dataclass(kw_only=True)
 class SdcConfig:
-    """The ``sdc:`` section: catch a replica group whose weights silently went wrong."""
+    """The ``sdc:`` section: catch a node that silently computes wrong."""
 
     check_every: int = 0
     """Replica-group mode: every this many committed steps, the groups of the quorum compare a CRC32
@@ -20,9 +20,27 @@ class SdcConfig:
     checks.  Needs replicas.enabled and at least 3 groups for a majority (with 2 a mismatch is
     reported, not healed)."""
 
+    replay_every: int = 0
+    """Replay verification: every this many steps, on every node one local rank's gradient (the
+    same local index on each node: round robin, then seeded random) is recomputed by another node's
+    warm spare from the step's weights and batch, and the checksums compared
+    (:mod:`elastic.sdc.replay`); a mismatch emits ``sdc.suspect`` naming the node, rank and step.
+    0 (default) is off.  Cost per check: on the checked rank, a copy and a CRC32 of its local
+    gradient (off the training thread); on the capturing rank, a host copy of the step's unsharded
+    weights written to the run directory (off the training thread); on the spare, one rank's forward
+    and backward; in etcd, one put per node.  Needs the in-process path with its warm spare
+    (agent.inprocess.enabled and spare), FSDP over more than one rank, and cp 1."""
+
     def __post_init__(self) -> None:
         if self.check_every < 0:
             raise ConfigError("check_every", f"must be >= 0 (0: off), got {self.check_every}")
+        if self.replay_every < 0:
+            raise ConfigError("replay_every", f"must be >= 0 (0: off), got {self.replay_every}")
+
+    @property
+    def replay(self) -> bool:
+        """Whether replay verification runs."""
+        return self.replay_every > 0
 
     @property
     def agreement(self) -> bool:

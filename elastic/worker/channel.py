@@ -112,5 +112,13 @@ class WorkerContext:
         self._send({"type": "screen", **{k: v for k, v in verdict.items() if k in
                                          ("passed", "reason", "duration_s", "wait_s", "report")}})
 
+    def report_replay_sum(self, step: int, tag: str, checksums: dict[str, int], threads: int) -> None:
+        """This rank was checked at ``step`` (replay verification): its gradient's checksums per FSDP unit."""
+        self._send({"type": "replay_sum", "step": step, "tag": tag, "checksums": checksums, "threads": threads})
+
+    def report_replay(self, step: int, rank: int, path: str, tag: str) -> None:
+        """The weights and batch that replay ``rank``'s ``step`` are in ``path``: for this node's spare."""
+        self._send({"type": "replay", "step": step, "checked_rank": rank, "path": path, "tag": tag})
+
     def report_recovered(self, step: int, gen: int, world_size: int, source: str) -> None:
         self._send({"type": "recovered", "step": step, "gen": gen, "world_size": world_size, "source": source})

@@ -13,6 +13,7 @@ writes the same files on the target node)::
     {"kind": "snapshot_kill", "rank": 1, "step": 12}       # SIGKILL itself halfway through the step's snapshot push
     {"kind": "snapshot_corrupt", "rank": 1, "from_step": 5}  # change a byte of each stored snapshot after its checksum
     {"kind": "sdc", "node": "node1", "rank": 0, "step": 6, "bit": 22}  # flip one gradient bit, silently
+    {"kind": "sdc", "node": "node1", "step": 6, "at": "local"}  # ... of the rank's own gradient (a wrong GEMM)
 
 ``rank`` may be omitted (every rank) or be a list; ``node`` (a node id, or a
 list) restricts a fault to the workers of that node, whatever ranks they get. A fault with ``"once": true``
@@ -186,9 +187,13 @@ class FaultHooks:
         except TypeError:
             return math.nan
 
-    def sdc(self, step: int) -> Fault | None:
-        """The ``sdc`` fault of this rank at ``step``, if any (claimed: it fires on one rank, once)."""
+    def sdc(self, step: int, at: str = "shard") -> Fault | None:
+        """The ``sdc`` fault of this rank at ``step`` flipping ``at`` (``shard``: the reduced gradient
+        shard before the optimizer; ``local``: the rank's own gradient before the reduce-scatter), if
+        any (claimed: it fires on one rank, once)."""
         for fault in self._matching("sdc", step):
+            if fault.spec.get("at", "shard") != at:
+                continue
             fired = fault.path.with_suffix(".fired")
             try:
                 fault.path.rename(fired)

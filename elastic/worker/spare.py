@@ -3,8 +3,10 @@
     python -m elastic.worker.spare -m trainer.dit_train --config FILE --run-dir DIR
 
 The node agent starts one per node once training runs.  It imports torch and the trainer module
-(what costs seconds at a cold start), then blocks on a line of JSON on stdin: the environment of
-the slot it takes (``LOCAL_RANK``, the agent's ``ELASTIC_*`` variables, ``ELASTIC_JOIN_GEN``: the
+(what costs seconds at a cold start), then blocks on a line of JSON on stdin.  A line
+``{"verify": PATH}`` asks it to replay a check of replay verification (:mod:`elastic.sdc.replay`;
+the trainer module names where its ``replay_gradients`` lives in ``REPLAY_MODULE``), after which
+it waits again; any other line is the environment of the slot it takes (``LOCAL_RANK``, the agent's ``ELASTIC_*`` variables, ``ELASTIC_JOIN_GEN``: the
 generation to join).  It then runs the trainer's ``main`` exactly as torchrun would, and the
 worker session joins the world in-process (:mod:`elastic.worker.inprocess`).  End of input
 without an assignment means the agent no longer needs it: it exits 0.
@@ -21,6 +23,8 @@ import signal
 import sys
 import threading
 import time
+from pathlib import Path
+from types import ModuleType
 
 from elastic.common.procs import set_parent_death_signal
 
@@ -43,14 +47,33 @@ def main(argv: list[str] | None = None) -> int:
     # In a thread after "ready": an assignment that comes first is not held back by it (the
     # trainer's own import of it then waits on the import lock, never imports twice).
     threading.Thread(target=_warm, args=(t0,), name="warm-dynamo", daemon=True).start()
-    line = sys.stdin.readline()
-    if not line.strip():
-        return 0
-    assignment = json.loads(line)
+    while True:
+        line = sys.stdin.readline()
+        if not line.strip():
+            return 0
+        assignment = json.loads(line)
+        if "verify" not in assignment:
+            break
+        verify(module, args[2:], Path(assignment["verify"]))
     os.environ.update({str(k): str(v) for k, v in assignment["env"].items()})
     print(json.dumps({"spare": "assigned", "slot": assignment.get("slot"), "gen": assignment["env"].get("ELASTIC_JOIN_GEN"),
                       "wait_s": round(time.monotonic() - t0, 3)}), flush=True)
     return int(module.main(args[2:]) or 0)
+
+
+def verify(module: ModuleType, argv: list[str], path: Path) -> None:
+    """Replay one check (``sdc.replay_every``) and leave the result beside its input for the agent:
+    ``<input>.replayed.json`` (checksums, or the error that stopped the replay)."""
+    from elastic.sdc.replay import replay
+    from elastic.sdc.results import write_result
+
+    try:
+        replay_module = importlib.import_module(getattr(module, "REPLAY_MODULE", module.__name__))
+        result = replay(path, lambda record: replay_module.replay_gradients(argv, record)).record()
+    except Exception as exc:  # noqa: BLE001 - any failure is the check's result, never the spare's end
+        result = {"error": f"{type(exc).__name__}: {exc}"}
+    write_result(path, result)
+    print(json.dumps({"spare": "verified", "path": str(path), **result}), flush=True)
 
 
 def _warm(t0: float) -> None:
