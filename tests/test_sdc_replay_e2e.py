@@ -2,8 +2,9 @@
 
 Two nodes of one rank each; every 5 steps each node's spare replays the other node's rank.  A chaos
 ``sdc`` fault flips one bit of node1's local gradient (before the reduce-scatter: what a GPU that
-computes wrong does) at a checked step: node0's agent must name node1, its rank and that step, and
-no other check may disagree.
+computes wrong does) at a checked step: node0's agent must name node1, its rank and that step, no
+other check may disagree, and the run must roll back to the newest checkpoint before that step and
+end bitwise equal to a run without the fault.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ EVERY = 5
 
 
 def _config(tmp_path: Path) -> Path:
+    tmp_path.mkdir(exist_ok=True)
     cfg = write_run_config(tmp_path, nodes="2", launch={"workload": "dit", "nproc_per_node": 1},
                            checkpoint={"interval_steps": 10, "keep_last": 2}, sdc={"replay_every": EVERY})
     data = yaml.safe_load(cfg.read_text())
@@ -64,4 +66,18 @@ def test_a_flipped_bit_in_one_nodes_gradient_is_named_by_the_other_nodes_replay(
     assert {e["verifier"] for e in verified} == {"node0", "node1"}
     assert all(e["node"] != e["verifier"] for e in verified + suspects)
     assert any(e["step"] == flip_step and e["node"] == "node0" for e in verified)  # node0's own step was fine
-    assert not list((run / "sdc").glob("replay-*.pt"))  # judged inputs are removed
+    # The run rolled back: node1 counted, checkpoints of the flipped step or later not trusted, the
+    # newest one before it loaded, and the steps from there trained again without the flip.
+    [rollback] = [e for e in events if e["kind"] == "sdc.rollback"]
+    assert (rollback["from_step"], rollback["node"]) == (flip_step, "node1")
+    summary = json.loads((run / "summary.json").read_text())
+    assert [(f["node"], f["failure_kind"], f["step"]) for f in summary["faults"]] == [("node1", "sdc", flip_step)]
+    after = [e for e in events if e["ts"] > rollback["ts"]]
+    skipped = {e["step"] for e in after if e["kind"] == "checkpoint.skipped_suspect"}
+    loaded = [e["step"] for e in after if e["kind"] == "checkpoint.loaded"]
+    assert loaded and all(step < flip_step for step in loaded) and all(step >= flip_step for step in skipped)
+    clean = tmp_path / "clean"
+    reference = start_launcher(_config(clean), subprocess_env)
+    out, _ = reference.communicate(timeout=240)
+    assert reference.returncode == 0, out
+    assert (run / "final_checksum.txt").read_text() == (clean / "run" / "final_checksum.txt").read_text()

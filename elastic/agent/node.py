@@ -249,6 +249,7 @@ class NodeAgent:
         return WorkerEnv(agent_addr=self.inbox.address, node_id=self.spec.node_id, run_id=self.spec.run_id,
                          etcd_endpoint=self.spec.endpoint, run_prefix=self.keys.prefix, epoch=str(epoch),
                          pg_timeout=str(self.config.pg_timeout_s), skip_steps=self.state.skip_spec(),
+                         distrust=self.state.distrust_spec(),
                          local_addr=self.spec.local_addr, screen=screen,
                          **inprocess_env(self.memstate, self.inprocess))
 

@@ -64,6 +64,8 @@ class ReplayChecks:
         self._published: dict[int, dict[str, Any]] = {}  # rank -> its record in etcd (this agent's ranks)
         self.ask: Callable[[dict[str, Any]], tuple[int | None, str]] = _no_spare
         """Hands a request line to this node's warm spare: (its pid, "") or (None, why it cannot)."""
+        self.on_suspect: Callable[[dict[str, Any]], None] = lambda suspect: None
+        """What the agent does about a mismatch (roll the run back: :meth:`Supervisor.sdc_rollback`)."""
         self.spare: Callable[[], int | None] = lambda: None
         """The pid of this node's warm spare now (it changes when the spare takes a worker's slot)."""
 
@@ -150,8 +152,9 @@ class ReplayChecks:
             self.events.emit("sdc.verified", units=len(mine), **fields)
         else:
             differ = sorted(u for u in set(mine) | set(rank_sums) if mine.get(u) != rank_sums.get(u))
-            self.events.emit("sdc.suspect", source_check="replay", units=differ, checksums=rank_sums,
-                             replayed=mine, **fields)
+            suspect = {"source_check": "replay", "units": differ, "checksums": rank_sums, "replayed": mine, **fields}
+            self.events.emit("sdc.suspect", **suspect)
+            self.on_suspect(suspect)
         self._done(check)
 
     def _skip(self, check: _Pending, reason: str) -> None:

@@ -87,6 +87,7 @@ class Supervisor:
 
         self.workers, self.on_failure = workers, on_failure
         self.replays.attach(workers)
+        self.replays.on_suspect = lambda suspect: self.sdc_rollback(suspect, epoch)
         self.hangs.reset()
         self._numerics_step: int | None = None
         self.screened = None
@@ -220,6 +221,27 @@ class Supervisor:
             self.stop_attempt(attempt, f"epoch {current}")
             return AttemptResult(Outcome.PEER_RESTART)
         return None
+
+    def sdc_rollback(self, suspect: dict, epoch: int) -> None:
+        """A replay disagreed with a rank: every step from the suspect one on was trained on its
+        corrupted gradient (the reduce-scatter spread it to every rank).  The suspect node gets a
+        counted failure (the lemon policy excludes a node that does it again), the run records what
+        a resume must not trust (checkpoints of that step or later, committed before now), and the
+        epoch moves on: every node restarts from the newest checkpoint before the corruption."""
+        node, step = str(suspect["node"]), int(suspect["step"])
+        detail = (f"replay of rank {suspect['rank']}'s step {step} on {self.node_id}'s spare disagrees in "
+                  f"{', '.join(u or '<root>' for u in suspect['units'])}")
+        self.records.quietly("record_failure", lambda: self.state.record_failure(node, "sdc", epoch))
+        if self.records.quietly("record_fault", lambda: self.state.record_fault(
+                epoch, node, {"kind": "sdc", "detail": detail, "step": step, "by": self.node_id})):
+            self.events.emit("run.fault", epoch=epoch, node=node, failure_kind="sdc", detail=detail, step=step,
+                             by=self.node_id)
+        record = self.records.quietly("sdc_rollback", lambda: self.state.record_sdc_rollback(
+            step, node, int(suspect["rank"]), self.node_id))
+        if record is None:
+            return  # etcd unreachable: the next check that sees it suspects again
+        self.events.emit("sdc.rollback", from_step=record["from_step"], node=node, rank=suspect["rank"], epoch=epoch)
+        self.records.quietly("bump_epoch", lambda: self.scope.bump(epoch))
 
     def _replace_hung(self, detail: str) -> bool:
         """In-process: the hung rank's process is killed and its slot goes to the spare like any

@@ -118,6 +118,9 @@ class CommittedCheckpoints:
         self.events = events or EventLog(None, "checkpoint")
         self.group = group
         self.memory = memory
+        self.distrust: tuple[int, float] | None = None
+        """(step, ts): a silent corruption was found at ``step``; a checkpoint of that step or later
+        committed before ``ts`` holds it and is skipped (``checkpoint.skipped_suspect``)."""
         self._rank = collectives.rank()
 
     def wait(self) -> None:
@@ -176,8 +179,17 @@ class CommittedCheckpoints:
                 continue
             if self.fingerprint and marker.get("fingerprint") != self.fingerprint:
                 continue
+            if self._distrusted(marker):
+                continue
             return step, str(marker.get("id", ""))
         return None
+
+    def _distrusted(self, marker: dict[str, Any]) -> bool:
+        """Written after a silent corruption it holds, before the corruption was found."""
+        if self.distrust is None:
+            return False
+        from_step, found_ts = self.distrust
+        return int(marker.get("step", -1)) >= from_step and float(marker.get("ts", 0.0)) < found_ts
 
     def _pick(self, rejected: set[int]) -> int | str | None:
         """Rank 0: newest committed step that verifies, reporting each one skipped; the mismatch
@@ -186,12 +198,18 @@ class CommittedCheckpoints:
             if step in rejected:
                 continue
             try:
-                self.verify(step)
+                marker = self.verify(step)
             except CheckpointMismatch as exc:
                 self.events.emit("checkpoint.foreign", step=step, reason=str(exc))
                 return str(exc)
             except CheckpointCorrupt as exc:
                 self._report_skipped(step, str(exc))
+                rejected.add(step)
+                continue
+            if self._distrusted(marker):
+                assert self.distrust is not None
+                self.events.emit("checkpoint.skipped_suspect", step=step, corrupted_from=self.distrust[0],
+                                 committed_ts=marker.get("ts"), found_ts=self.distrust[1])
                 rejected.add(step)
                 continue
             return step

@@ -24,6 +24,9 @@ PG_TIMEOUT_ENV = "ELASTIC_PG_TIMEOUT"
 """Collective timeout in seconds, chosen by the agent (kept above its hang detection)."""
 SKIP_STEPS_ENV = "ELASTIC_SKIP_STEPS"
 """Steps whose batch is skipped after a numerics rollback (``"12-12,30-31"``)."""
+DISTRUST_ENV = "ELASTIC_DISTRUST"
+"""``STEP@TS``: a silent corruption was found at STEP; checkpoints of STEP or later committed before
+TS (unix time) hold its effect, and a resume skips them (replay verification's rollback)."""
 MEMSTATE_ADDR_ENV = "ELASTIC_MEMSTATE_ADDR"
 MEMSTATE_TOKEN_ENV = "ELASTIC_MEMSTATE_TOKEN"
 INPROCESS_ENV = "ELASTIC_INPROCESS"
@@ -69,6 +72,7 @@ class WorkerEnv:
     epoch: str = ""
     pg_timeout: str = ""
     skip_steps: str = ""
+    distrust: str = ""
     memstate_addr: str = ""
     memstate_token: str = ""
     inprocess: str = ""
@@ -90,7 +94,7 @@ class WorkerEnv:
 _NAMES = {
     "agent_addr": AGENT_ADDR_ENV, "node_id": NODE_ID_ENV, "run_id": RUN_ID_ENV,
     "etcd_endpoint": ETCD_ENDPOINT_ENV, "run_prefix": RUN_PREFIX_ENV, "epoch": EPOCH_ENV,
-    "pg_timeout": PG_TIMEOUT_ENV, "skip_steps": SKIP_STEPS_ENV,
+    "pg_timeout": PG_TIMEOUT_ENV, "skip_steps": SKIP_STEPS_ENV, "distrust": DISTRUST_ENV,
     "memstate_addr": MEMSTATE_ADDR_ENV, "memstate_token": MEMSTATE_TOKEN_ENV,
     "inprocess": INPROCESS_ENV, "snapshots": SNAPSHOTS_ENV, "join_gen": JOIN_GEN_ENV, "agent_pid": AGENT_PID_ENV,
     "local_addr": LOCAL_ADDR_ENV, "screen": SCREEN_ENV,

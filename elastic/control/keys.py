@@ -23,6 +23,8 @@ can be listed, inspected (``elastic status``) and cleaned up as one prefix range
                                its final state once its agent left cleanly, "lost" once the leader
                                found its lease expired
     hangs/<epoch>/<node>       a stalled node's ranks: where each one is (hang attribution)
+    sdc/rollback               {from_step, ts, node, rank, by}: a replay found a silent corruption at
+                               from_step; checkpoints of that step or later committed before ts hold it
     sdc/sums/<rank>            that rank's last few replay checks: its gradient's checksums by step,
                                the world (epoch.generation) that computed them (one key per rank)
     diag/<node>                newest screen verdict
@@ -191,6 +193,10 @@ class RunKeys:
 
     def diag(self, node_id: str) -> str:
         return self._k("diag", node_id)
+
+    @property
+    def sdc_rollback(self) -> str:
+        return self._k("sdc", "rollback")
 
     def replay_sum(self, rank: int) -> str:
         return self._k("sdc", "sums", str(rank))

@@ -45,7 +45,7 @@ from elastic.checkpoint.publish import publisher_from_env
 from elastic.checkpoint.storage import FaultInjectingStorage, LocalStorage
 from elastic.common.collectives import backend_for, check_device
 from elastic.common.config import ConfigError
-from elastic.common.env import EPOCH_ENV, NODE_ID_ENV, PG_TIMEOUT_ENV
+from elastic.common.env import DISTRUST_ENV, EPOCH_ENV, NODE_ID_ENV, PG_TIMEOUT_ENV
 from elastic.common.events import EventLog
 from elastic.common.exits import EXIT_SCREEN_FAILED
 from elastic.run.schema import RunConfig, load_run_file
@@ -290,9 +290,11 @@ class WorkerSession:
         storage = FaultInjectingStorage(LocalStorage(), self.hooks.checkpoint_write_fails)
         basis = self.cfg.fingerprint_basis() if self.cfg.fingerprint else None
         # A replica group owns its temporary save directories: groups share the checkpoint root.
-        return CheckpointManager(self.cfg.checkpoint, root, self.cfg.fingerprint, self.events, group,
-                                 publisher=publisher_from_env(), storage=storage, fingerprint_basis=basis,
-                                 owner=self.group or "")
+        manager = CheckpointManager(self.cfg.checkpoint, root, self.cfg.fingerprint, self.events, group,
+                                    publisher=publisher_from_env(), storage=storage, fingerprint_basis=basis,
+                                    owner=self.group or "")
+        manager.distrust = distrust_from_env()
+        return manager
 
     # -- start ------------------------------------------------------------------
     def resume(self, state: dict[str, Any]) -> tuple[int, dict[str, Any]] | None:
@@ -595,6 +597,16 @@ class WorkerSession:
             dist.destroy_process_group()
         self.probe.close()
         self.events.close()
+
+
+def distrust_from_env() -> tuple[int, float] | None:
+    """``ELASTIC_DISTRUST`` (``STEP@TS``, set by the agent after replay verification found a silent
+    corruption) as (step, ts), or None."""
+    spec = os.environ.get(DISTRUST_ENV, "")
+    if not spec:
+        return None
+    step, _, ts = spec.partition("@")
+    return int(step), float(ts)
 
 
 def parse_worker_args(prog: str, argv: list[str] | None) -> argparse.Namespace:
