@@ -49,9 +49,10 @@ NOT_SOAKED = {
     "kill_during_rendezvous": "waits for a rendezvous, which a run recovering in-process may never hold again",
     "bad_hardware": "excludes its node for good: the world shrinks and the weights stop being comparable",
     "partition": "needs root and network namespaces (chaos suite --netns runs it)",
-    "sdc": "caught only where the job checks for it (replicas with sdc.check_every, 3+ groups); elsewhere the "
-           "flip stays silent by design and the weights stop matching the replay (--faults sdc draws it; with "
-           "sdc.check_every: 1 a flip at any step is caught before it spreads)",
+    "sdc": "caught only where the job checks for it (replicas with sdc.check_every, 3+ groups; or "
+           "sdc.replay_every, at a checked step); elsewhere the flip stays silent by design and the weights stop "
+           "matching the replay (--faults sdc draws it; with sdc.check_every: 1 a flip at any step is caught "
+           "before it spreads)",
 }
 """Registered faults the soak does not draw, and why (every other one is in CATALOGUE)."""
 RECOVERY_KILL_DELAY_S = 0.1

@@ -64,12 +64,17 @@ def _spec(fault: str, target: str, at_step: int | None = None, at_time_s: float 
     return FaultSpec(fault, target, at_step, at_time_s, from_dict(REGISTRY[fault].Params, params), after, delay_s)
 
 
-def standard_scenarios(nodes: list[str], steps: int, interval: int, check_every: int = 0) -> list[Scenario]:
-    """One scenario per fault kind, sized from the job's checkpoint interval, step count and SDC check."""
+def standard_scenarios(nodes: list[str], steps: int, interval: int, check_every: int = 0,
+                       replay_every: int = 0) -> list[Scenario]:
+    """One scenario per fault kind, sized from the job's checkpoint interval, step count and SDC checks."""
     first, last = nodes[1], nodes[-1]
     ckpt = interval * 2  # a step with a committed checkpoint before it and after it
-    # A step the agreement check covers before the next step's gradients are shared (kept bitwise).
+    # A step the agreement check covers before the next step's gradients are shared (kept bitwise);
+    # under replay verification, a checked step in the second half (the spares have imported by then).
     flip = -(-ckpt // check_every) * check_every if check_every else ckpt
+    at = "shard"
+    if replay_every and not check_every:
+        flip, at = -(-max(ckpt, steps // 2) // replay_every) * replay_every, "local"
 
     def ex(**kw: Any) -> Expectation:
         return Expectation(steps=steps, **kw)
@@ -100,8 +105,8 @@ def standard_scenarios(nodes: list[str], steps: int, interval: int, check_every:
         Scenario("ckpt_write_error", [_spec("ckpt_write_error", nodes[0], at_time_s=0, step=ckpt)],
                  ex(required_events=["checkpoint.save_failed"])),
         # Silent: passes only when the flip is named (the sdc_detected invariant) and healed bitwise.
-        Scenario("sdc", [_spec("sdc", first, at_time_s=0, step=flip, rank=0)],
-                 ex(required_events=["sdc.suspect"], note="one bit of node1's gradient shard flipped")),
+        Scenario("sdc", [_spec("sdc", first, at_time_s=0, step=flip, rank=0, at=at)],
+                 ex(required_events=["sdc.suspect"], note=f"one bit of node1's gradient ({at}) flipped")),
         # A dead spare must be noticed and replaced before the node's next worker death needs one.
         Scenario("kill_spare", [_spec("kill_spare", first, at_step=interval + 2),
                                 _spec("kill_worker", first, at_step=interval + 2, after=0, delay_s=2.0)], ex()),
@@ -226,9 +231,11 @@ def _applicable(scenario: Scenario, cfg: SuiteConfig, job: Job) -> str:
 
 def sdc_uncovered(cfg: RunConfig, nodes: int) -> str:
     """Why this job cannot catch a silent flip ("" when it can): the sdc scenario then fails, unrun."""
+    if cfg.sdc.replay and not cfg.replicas.enabled:
+        return ""  # the config check made sure it can run (in-process, a warm spare, a workload that replays)
     if not cfg.replicas.enabled or not cfg.sdc.agreement:
-        return ("not covered: the job has no SDC detection (it needs replicas.enabled with sdc.check_every > 0; "
-                "replay verification is not built)")
+        return ("not covered: the job has no SDC detection (it needs sdc.replay_every > 0, or replicas.enabled "
+                "with sdc.check_every > 0)")
     if nodes < 3:
         return f"not covered: {nodes} replica groups hold no majority to name a suspect by (needs 3)"
     return ""
@@ -280,7 +287,8 @@ def check(entry: dict[str, Any], outcome: ClusterOutcome, expect: Expectation,
 
 
 def _choose(cfg: SuiteConfig, job: Job, quick: bool) -> tuple[list[Scenario], list[Scenario]]:
-    scenarios = standard_scenarios(job.nodes, job.steps, job.interval, job.cfg.sdc.check_every)
+    scenarios = standard_scenarios(job.nodes, job.steps, job.interval, job.cfg.sdc.check_every,
+                                   job.cfg.sdc.replay_every)
     wanted = cfg.only or (QUICK if quick else tuple(s.name for s in scenarios))
     unknown = sorted(set(wanted) - {s.name for s in scenarios})
     if unknown:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from chaos.follow import parse_target
 from chaos.injection import InjectionContext, InjectionRecord, Injector, register
@@ -86,6 +86,11 @@ class SdcParams:
     """Rank (within the node's group in replica mode) whose shard is hit; default: the first to claim it."""
     bit: int | None = None
     """Mantissa bit to flip; default: the top one (fp32 bit 22), which always moves the weights."""
+    at: Literal["shard", "local"] = "shard"
+    """``shard``: the rank's reduced gradient shard before its optimizer step (only that rank's
+    weights change: what cross-replica agreement, ``sdc.check_every``, finds); ``local``: the rank's
+    own gradient before the reduce-scatter, as a GPU that computes wrong would (every rank steps the
+    same wrong weights: only replay verification, ``sdc.replay_every``, finds it, at a checked step)."""
 
 
 @register("sdc")
@@ -109,6 +114,8 @@ class SilentCorruption(Injector):
         for name in ("rank", "bit"):
             if getattr(self.params, name) is not None:
                 spec[name] = getattr(self.params, name)
+        if self.params.at != "shard":
+            spec["at"] = self.params.at
         path = write_fault(ctx.run_dir, f"chaos-sdc-{step}", spec)
         return self._record(ctx, file=str(path), spec=spec)
 

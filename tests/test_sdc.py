@@ -122,6 +122,9 @@ def test_an_sdc_fault_fires_once_on_one_rank_and_leaves_only_its_record(tmp_path
     assert record["file"] == "sdc.json" and record["fired"]["node"] == "node1"
     assert (record["fired"]["step"], record["fired"]["rank"], record["fired"]["after"]) == (6, 0, 1.5)
     assert FaultHooks(tmp_path, 0, events, node="node1").sdc(6) is None  # a replayed step 6 runs clean
+    write_fault(tmp_path, "local", {"kind": "sdc", "node": "node1", "step": 8, "at": "local"})
+    assert rank0.sdc(8) is None  # the shard seam never takes a local flip, nor the other way round
+    assert rank0.sdc(8, at="local") is not None
 
 
 def test_silent_fault_flips_a_real_gradient_where_the_file_says(tmp_path):
@@ -184,6 +187,9 @@ def test_the_agents_sdc_action_writes_a_node_restricted_file(tmp_path):
     assert ACTIONS["sdc"](view, {})["spec"]["step"] == 11  # a future step when none is named
     with pytest.raises(BadRequest, match="params.bit: expected an integer"):
         ACTIONS["sdc"](view, {"bit": "high"})
+    assert ACTIONS["sdc"](view, {"step": 14, "at": "local"})["spec"]["at"] == "local"
+    with pytest.raises(BadRequest, match="params.at: expected 'shard' or 'local', got 'gemm'"):
+        ACTIONS["sdc"](view, {"at": "gemm"})
 
 
 def test_chaos_inject_takes_the_step_as_a_flag():
@@ -209,6 +215,11 @@ def test_the_suite_flips_on_a_checked_step_and_reports_an_uncovered_job_as_faile
     assert "no SDC detection" in sdc_uncovered(plain, 3)
     assert "no majority" in sdc_uncovered(checked, 2)
     assert sdc_uncovered(checked, 3) == ""
+    replayed = from_dict(RunConfig, {"launch": {"nodes": "2", "workload": "dit"}, "sdc": {"replay_every": 7}})
+    assert sdc_uncovered(replayed, 2) == ""  # two nodes suffice: each one's spare replays the other's rank
+    [sdc] = [s for s in standard_scenarios(nodes, 40, 10, replay_every=7) if s.name == "sdc"]
+    [fault] = sdc.faults  # a checked step in the second half (the spares have imported), local to the rank
+    assert (fault.params.step, fault.params.at) == (21, "local") and sdc.expect.bitwise
     [sdc] = [s for s in standard_scenarios(nodes, 40, 10) if s.name == "sdc"]
     sdc.uncovered = sdc_uncovered(plain, 3)
     result = uncovered_result(sdc)

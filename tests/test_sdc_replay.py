@@ -173,6 +173,8 @@ class _Agents:
         self.node0.ask = lambda request: (self.asked.append(request) or (self.spare_pid, "")) if self.spare_pid \
             else (None, "no warm spare on this node")
         self.node0.spare = lambda: self.spare_pid
+        self.spare_state = "ready"
+        self.node0.spare_state = lambda: self.spare_state if self.spare_pid else "none"
 
     def checked(self, step: int, sums: dict = SUMS, tag: str = "0.0") -> None:
         self.node1.observe({"type": "replay_sum", "rank": 1, "step": step, "tag": tag, "checksums": sums})
@@ -273,3 +275,17 @@ def test_a_replay_that_failed_is_a_skipped_check_not_a_suspect(tmp_path):
     agents.node0.poll()
     assert agents.events("sdc.suspect") == []
     assert "the replay failed: ValueError" in agents.events("sdc.replay_skipped")[0]["reason"]
+
+
+def test_checks_that_come_while_the_spare_imports_keep_only_the_newest_until_it_is_ready(tmp_path):
+    agents = _Agents(tmp_path)
+    agents.spare_state = "importing"
+    first, second = agents.captured(10), agents.captured(20)
+    assert agents.asked == [] and not first.exists() and second.exists()  # one model's weights held, not two
+    agents.node0.poll()
+    assert agents.asked == []
+    agents.spare_state = "ready"
+    agents.node0.poll()
+    assert agents.asked == [{"verify": str(second)}]
+    [skipped] = agents.events("sdc.replay_skipped")
+    assert (skipped["step"], skipped["reason"]) == (10, "a newer check came while the spare was importing")

@@ -188,6 +188,11 @@ def sdc(view: NodeView, params: dict[str, Any]) -> dict[str, Any]:
         value = _int(params, name)
         if value is not None:
             spec[name] = value
+    at = params.get("at", "shard")
+    if at not in ("shard", "local"):
+        raise BadRequest(f"params.at: expected 'shard' or 'local', got {at!r}")
+    if at == "local":
+        spec["at"] = at
     return _fault_file(view, f"sdc-{step}", spec)
 
 

@@ -213,6 +213,7 @@ class InProcessWorkers:
         self.step = 0  # the newest step a slot's worker reported (where a fault hits)
         self.spare: subprocess.Popen[bytes] | None = None
         self.spare_log = Path()
+        self._ready_pid = 0  # the spare whose log said "ready"
         self.spare_deaths: list[float] = []  # when spares died unassigned (a node that keeps killing them)
         self.worker_env: WorkerEnv | None = None
         self.ranks: dict[int, int] = {}  # local slot -> its rank in generation self.gen
@@ -303,6 +304,13 @@ class InProcessWorkers:
             return
         self.start_spare()
 
+    def spare_state(self) -> str:
+        """``none``, ``importing`` (started, its first line not written yet) or ``ready``."""
+        self._check_spare()
+        if self.spare is None or self.spare.stdin is None:
+            return "none"
+        return "ready" if self._spare_ready() else "importing"
+
     def ask_spare(self, request: dict) -> tuple[int | None, str]:
         """A line for the warm spare to act on while it waits (a replay check): (its pid, "") or
         (None, why it cannot take one)."""
@@ -310,8 +318,6 @@ class InProcessWorkers:
         spare = self.spare
         if spare is None or spare.stdin is None:
             return None, "no warm spare on this node"
-        if not self._spare_ready():
-            return None, "the warm spare is still importing"  # its lines would queue behind seconds of imports
         try:
             spare.stdin.write((json.dumps(request) + "\n").encode())
             spare.stdin.flush()
@@ -320,12 +326,18 @@ class InProcessWorkers:
         return spare.pid, ""
 
     def _spare_ready(self) -> bool:
-        """The spare's first line says it has imported (``{"spare": "ready", ...}``)."""
+        """The spare's first line says it has imported (``{"spare": "ready", ...}``); read until it does."""
+        assert self.spare is not None
+        if self._ready_pid == self.spare.pid:
+            return True
         try:
             with open(self.spare_log, "rb") as fh:
-                return b'"spare": "ready"' in fh.readline()
+                ready = b'"spare": "ready"' in fh.readline()
         except OSError:
             return False
+        if ready:
+            self._ready_pid = self.spare.pid
+        return ready
 
     def spare_pid(self) -> int | None:
         return self.spare.pid if self.spare is not None else None

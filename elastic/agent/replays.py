@@ -68,11 +68,16 @@ class ReplayChecks:
         """What the agent does about a mismatch (roll the run back: :meth:`Supervisor.sdc_rollback`)."""
         self.spare: Callable[[], int | None] = lambda: None
         """The pid of this node's warm spare now (it changes when the spare takes a worker's slot)."""
+        self.spare_state: Callable[[], str] = lambda: "none"
+        """``none``, ``importing`` or ``ready``: a check that comes while the spare imports is held."""
+        self.held: _Pending | None = None
+        """The newest check that came while the spare was still importing (one: each is a model's weights)."""
 
     def attach(self, workers: Any) -> None:
         """The attempt's in-process workers (their spare replays), or None: no spare to ask."""
         self.ask = workers.ask_spare if workers is not None else _no_spare
         self.spare = workers.spare_pid if workers is not None else (lambda: None)
+        self.spare_state = workers.spare_state if workers is not None else (lambda: "none")
 
     def observe(self, report: dict[str, Any]) -> None:
         kind = report.get("type")
@@ -102,14 +107,29 @@ class ReplayChecks:
         waiting = sum(1 for p in self.pending.values() if p.result is None and not result_path(p.path).exists())
         if waiting >= self.queue:
             return self._skip(check, f"the spare has {waiting} checks to replay before it")
-        spare, why = self.ask({"verify": str(path)})
+        if self.spare_state() == "importing":
+            return self._hold(check)
+        return self._send(check)
+
+    def _hold(self, check: _Pending) -> None:
+        """Until the spare has imported: a line sent now would wait behind seconds of imports, and
+        the checks under way meanwhile would pile up (each a model's weights on disk)."""
+        if self.held is not None:
+            self._skip(self.held, "a newer check came while the spare was importing")
+        self.held = check
+
+    def _send(self, check: _Pending) -> None:
+        spare, why = self.ask({"verify": str(check.path)})
         if spare is None:
             return self._skip(check, why)
-        check.spare = spare
-        self.pending[path] = check
+        check.spare, check.asked_at = spare, self.clock()
+        self.pending[check.path] = check
         return None
 
     def poll(self) -> None:
+        if self.held is not None and self.spare_state() != "importing":
+            held, self.held = self.held, None
+            self._send(held)
         now = self.clock()
         for check in list(self.pending.values()):
             if check.result is None:
