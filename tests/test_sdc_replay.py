@@ -289,3 +289,11 @@ def test_checks_that_come_while_the_spare_imports_keep_only_the_newest_until_it_
     assert agents.asked == [{"verify": str(second)}]
     [skipped] = agents.events("sdc.replay_skipped")
     assert (skipped["step"], skipped["reason"]) == (10, "a newer check came while the spare was importing")
+
+
+def test_replay_ab_blocks_check_only_in_the_odd_blocks():
+    from elastic.sdc.replay import checked_step
+
+    assert [s for s in range(1, 61) if checked_step(s, 5, ab_block=20)] == [5, 10, 15, 20, 45, 50, 55, 60]
+    assert [s for s in range(1, 31) if checked_step(s, 10)] == [10, 20, 30]
+    assert roles(25, 5, 0, 2, 1, seed=0, ab_block=20) == (False, None)

@@ -31,7 +31,14 @@ class SdcConfig:
     and backward; in etcd, one put per node.  Needs the in-process path with its warm spare
     (agent.inprocess.enabled and spare), FSDP over more than one rank, and cp 1."""
 
+    replay_ab_block: int = 0
+    """For measuring replay verification's cost within one run (``benchmarks/sdc.py``): check only
+    in alternate blocks of this many steps (steps 1..N checked, the next N not, ...), so both sides
+    of the comparison share the host's load.  A fault in a block without checks goes unseen.  0: off."""
+
     def __post_init__(self) -> None:
+        if self.replay_ab_block < 0:
+            raise ConfigError("replay_ab_block", f"must be >= 0 (0: off), got {self.replay_ab_block}")
         if self.check_every < 0:
             raise ConfigError("check_every", f"must be >= 0 (0: off), got {self.check_every}")
         if self.replay_every < 0:

@@ -60,9 +60,16 @@ def checked_local(check: int, local_world: int, seed: int) -> int:
     return random.Random(seed * 1_000_003 + check).randrange(local_world)
 
 
-def roles(step: int, every: int, rank: int, world: int, local_world: int, seed: int) -> tuple[bool, int | None]:
+def checked_step(step: int, every: int, ab_block: int = 0) -> bool:
+    """Whether ``step`` is a check step (``ab_block``: only in the odd blocks of that many steps,
+    counting from 1, as ``sdc.replay_ab_block`` says)."""
+    return every > 0 and step % every == 0 and (ab_block <= 0 or ((step - 1) // ab_block) % 2 == 0)
+
+
+def roles(step: int, every: int, rank: int, world: int, local_world: int, seed: int,
+          ab_block: int = 0) -> tuple[bool, int | None]:
     """(whether this rank is checked at ``step``, the rank whose inputs it captures or None)."""
-    if every <= 0 or step % every or world < 2:
+    if not checked_step(step, every, ab_block) or world < 2:
         return False, None
     local = checked_local(step // every, local_world, seed)
     checked = rank % local_world == local
@@ -139,8 +146,8 @@ class ReplayProbe:
     reduce-scatter and in each unit's pre-forward hook)."""
 
     def __init__(self, model: torch.nn.Module, every: int, seed: int, rank: int, world: int, local_world: int,
-                 corrupt: Callable[[int, str, torch.Tensor], None] | None = None) -> None:
-        self.every, self.seed = every, seed
+                 corrupt: Callable[[int, str, torch.Tensor], None] | None = None, ab_block: int = 0) -> None:
+        self.every, self.seed, self.ab_block = every, seed, ab_block
         self.rank, self.world, self.local_world = rank, world, local_world
         self.corrupt = corrupt
         self.units = fsdp_units(model)
@@ -156,7 +163,8 @@ class ReplayProbe:
     def arm(self, step: int) -> _Check | None:
         """Before the step's forward: this rank's roles at ``step`` (None: not a check step for it)."""
         self.step = step
-        checked, target = roles(step, self.every, self.rank, self.world, self.local_world, self.seed)
+        checked, target = roles(step, self.every, self.rank, self.world, self.local_world, self.seed,
+                                self.ab_block)
         self.check = _Check(step, checked, target) if checked or target is not None else None
         return self.check
 
