@@ -41,7 +41,7 @@ def build_agent(cfg: RunConfig, args: argparse.Namespace, token: str | None) -> 
                           fingerprint=join_fingerprint(to_dict(cfg)), join_check=cfg.security.join_check)
     return NodeAgent(spec, cfg.agent, cfg.rendezvous, admission, memory=cfg.checkpoint.memory, replicas=cfg.replicas,
                      inprocess=cfg.inprocess_recovery(),
-                     checkpoint_root=cfg.checkpoint.root(run_dir))
+                     checkpoint_root=cfg.checkpoint.root(run_dir), sdc_replay=cfg.sdc.replay)
 
 
 def main(argv: list[str] | None = None) -> int:

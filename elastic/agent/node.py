@@ -78,8 +78,9 @@ class NodeAgent:
     def __init__(self, spec: NodeSpec, config: AgentConfig, rdzv: RendezvousConfig, admission: Admission | None = None,
                  memory: MemoryCacheConfig | None = None, replicas: ReplicaConfig | None = None,
                  store: KVStore | None = None, inprocess: bool = False,
-                 checkpoint_root: Path | None = None) -> None:
+                 checkpoint_root: Path | None = None, sdc_replay: bool = False) -> None:
         self.spec, self.config, self.rdzv, self.admission = spec, config, rdzv, admission
+        self.sdc_replay = sdc_replay  # replay verification may roll the run back: read sdc/rollback per attempt
         # One store call gives up within etcd_wait_s at most; EtcdWait bounds the waiting in all.
         self.store = store if store is not None else EtcdStore(spec.endpoint,
                                                                retry_deadline=min(15.0, config.etcd_wait_s))
@@ -249,7 +250,7 @@ class NodeAgent:
         return WorkerEnv(agent_addr=self.inbox.address, node_id=self.spec.node_id, run_id=self.spec.run_id,
                          etcd_endpoint=self.spec.endpoint, run_prefix=self.keys.prefix, epoch=str(epoch),
                          pg_timeout=str(self.config.pg_timeout_s), skip_steps=self.state.skip_spec(),
-                         distrust=self.state.distrust_spec(),
+                         distrust=self.state.distrust_spec() if self.sdc_replay else "",
                          local_addr=self.spec.local_addr, screen=screen,
                          **inprocess_env(self.memstate, self.inprocess))
 
