@@ -91,6 +91,23 @@ def test_stopped_worker_is_the_culprit_and_sleeping_one_a_victim():
         sleeper.wait()
 
 
+def test_silence_after_an_in_process_recovery_counts_from_the_recovery():
+    """A recovery slower than stall_factor x step_timeout_s (a cold spare joining: 5.4 s under a CPU
+    hog) must not read as a stall the moment it ends: the run would restart from disk for nothing."""
+    clock = FakeClock()
+    mon = HeartbeatMonitor(HeartbeatConfig(step_timeout_s=2, stall_factor=2), clock=clock, recovery_grace_s=60)
+    mon.observe({"type": "step", "rank": 0, "local_rank": 0, "pid": 1, "step": 4, "step_time": 0.1})
+    mon.observe({"type": "fault", "rank": 0, "local_rank": 0, "pid": 1, "step": 5})
+    clock.now += 5.4
+    assert mon.check()[0] == Silence.NONE  # re-forming: silence is expected
+    mon.observe({"type": "recovered", "rank": 0, "local_rank": 0, "pid": 1, "step": 4})
+    assert mon.check()[0] == Silence.NONE  # not "blocked 5.4s": it trains again from here
+    clock.now += 1.9
+    assert mon.check()[0] == Silence.NONE
+    clock.now += 0.2  # and a real silence after the recovery is still seen
+    assert mon.check()[0] != Silence.NONE
+
+
 def _proc_state(pid: int) -> str:
     return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
 

@@ -93,7 +93,14 @@ class HeartbeatMonitor:
         if report.get("type") == "fault":
             self.recovering()
         if report.get("type") == "recovered":
+            # The world has re-formed and trains again: silence counts from now.  Counting it from the
+            # last step before the fault judged a slow recovery (a cold spare joining, 5.4 s under a
+            # CPU hog) a stall the moment it ended: the run restarted from disk for nothing.
             self.recovering_until = 0.0
+            now = self.clock()
+            for view in self.ranks.values():
+                view.last_seen = max(view.last_seen, now)
+            self._cpu_at_silence.clear()
         if report.get("type") != "step":
             return
         # Keyed by local rank: the global rank of a slot may change when the world re-forms in-process.
