@@ -196,25 +196,31 @@ class ReplayProbe:
         return {label: fut.result() for label, fut in check.sums.items()}
 
     def write_inputs(self, check: _Check, run_dir: Path, inputs: dict[str, Any], reduce_dtype: torch.dtype,
-                     done: Callable[[Path], None]) -> None:
-        """Save what the spare needs to replay the target rank's step, off the training thread."""
+                     done: Callable[[Path], None], failed: Callable[[OSError], None] = lambda exc: None) -> None:
+        """Save what the spare needs to replay the target rank's step, off the training thread; then
+        ``done(path)``, or ``failed(error)`` when it could not be written (a full disk: the check is lost)."""
         record = {"step": check.step, "rank": check.target, "world": self.world, "units": self.units,
                   "params": check.params, "reduce_dtype": str(reduce_dtype).removeprefix("torch."),
                   "threads": torch.get_num_threads(), "inputs": inputs}
         path = inputs_path(run_dir, check.step, check.target)
-        self._pool.submit(_save_then, record, path, done)
+        self._pool.submit(_save_then, record, path, done, failed)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
 
 
-def _save_then(record: dict[str, Any], path: Path, done: Callable[[Path], None]) -> None:
+def _save_then(record: dict[str, Any], path: Path, done: Callable[[Path], None],
+               failed: Callable[[OSError], None]) -> None:
     """Write atomically (a spare never reads half a file), then tell the agent."""
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    torch.save(record, tmp)
-    tmp.replace(path)
-    done(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(record, tmp)
+        tmp.replace(path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        return failed(exc)
+    return done(path)
 
 
 @dataclass(frozen=True)

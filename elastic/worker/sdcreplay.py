@@ -85,8 +85,11 @@ class ReplayVerification:
             agent.report_replay_sum(check.step, self.tag, self.probe.checksums(check), torch.get_num_threads())
         if check.target is not None:
             target, step, tag = check.target, check.step, self.tag
+            events = self.session.events
             self.probe.write_inputs(check, self.session.run_dir, inputs_for(target), self.reduce_dtype,
-                                    done=lambda path: agent.report_replay(step, target, str(path), tag))
+                                    done=lambda path: agent.report_replay(step, target, str(path), tag),
+                                    failed=lambda exc: events.emit("sdc.replay_skipped", step=step, rank=target,
+                                                                   reason=f"its inputs were not written: {exc}"))
 
     def close(self) -> None:
         self.probe.close()
