@@ -297,3 +297,15 @@ def test_replay_ab_blocks_check_only_in_the_odd_blocks():
     assert [s for s in range(1, 61) if checked_step(s, 5, ab_block=20)] == [5, 10, 15, 20, 45, 50, 55, 60]
     assert [s for s in range(1, 31) if checked_step(s, 10)] == [10, 20, 30]
     assert roles(25, 5, 0, 2, 1, seed=0, ab_block=20) == (False, None)
+
+
+def test_inputs_that_cannot_be_written_are_reported_not_lost_silently(tmp_path):
+    from elastic.sdc.replay import _save_then
+
+    blocker = tmp_path / "sdc"
+    blocker.write_text("a file where the directory should be")
+    done, failed = [], []
+    _save_then({"step": 1}, blocker / "replay-00000001-r0.pt", done.append, failed.append)
+    assert done == [] and len(failed) == 1 and isinstance(failed[0], OSError)
+    _save_then({"step": 1}, tmp_path / "ok" / "replay-00000001-r0.pt", done.append, failed.append)
+    assert done == [tmp_path / "ok" / "replay-00000001-r0.pt"] and done[0].exists()
