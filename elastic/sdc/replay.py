@@ -32,6 +32,7 @@ peers), fp16 reduction (pre-divided by the world size), replica-group mode.
 
 from __future__ import annotations
 
+import contextlib
 import random
 import threading
 import zlib
@@ -218,7 +219,8 @@ def _save_then(record: dict[str, Any], path: Path, done: Callable[[Path], None],
         torch.save(record, tmp)
         tmp.replace(path)
     except OSError as exc:
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            tmp.unlink()
         return failed(exc)
     return done(path)
 
