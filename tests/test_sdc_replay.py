@@ -309,3 +309,27 @@ def test_inputs_that_cannot_be_written_are_reported_not_lost_silently(tmp_path):
     assert done == [] and len(failed) == 1 and isinstance(failed[0], OSError)
     _save_then({"step": 1}, tmp_path / "ok" / "replay-00000001-r0.pt", done.append, failed.append)
     assert done == [tmp_path / "ok" / "replay-00000001-r0.pt"] and done[0].exists()
+
+
+def test_a_rollback_distrusts_checkpoints_of_the_corrupted_steps_from_its_epoch_or_before(tmp_path):
+    from elastic.checkpoint.config import CheckpointConfig
+    from elastic.checkpoint.load import CommittedCheckpoints
+
+    loader = CommittedCheckpoints(CheckpointConfig(), tmp_path)
+    marker = lambda step, epoch=0: {"step": step, "epoch": epoch}  # noqa: E731
+    assert not loader._distrusted(marker(90))  # no rollback: everything as before
+    loader.distrust = (90, 0)  # a flip at step 90, found in epoch 0
+    assert not loader._distrusted(marker(80))
+    # Step 90's save was under way when the flip was found: it commits after the finding, still epoch 0.
+    assert loader._distrusted(marker(90)) and loader._distrusted(marker(100))
+    assert not loader._distrusted(marker(90, epoch=1))  # retrained after the rollback: trusted
+    assert loader._distrusted({"step": 95})  # a marker from before markers carried the epoch
+
+
+def test_the_run_records_one_rollback_with_the_lowest_step_and_the_latest_epoch():
+    state = RunState(MemoryStore(FakeClock()), RunKeys.of("/elastic", "r"))
+    assert state.distrust_spec() == ""
+    state.record_sdc_rollback(90, 0, "node1", 2, "node0")
+    assert state.distrust_spec() == "90@0"
+    state.record_sdc_rollback(120, 1, "node3", 0, "node2")
+    assert state.distrust_spec() == "90@1"

@@ -226,8 +226,8 @@ class Supervisor:
         """A replay disagreed with a rank: every step from the suspect one on was trained on its
         corrupted gradient (the reduce-scatter spread it to every rank).  The suspect node gets a
         counted failure (the lemon policy excludes a node that does it again), the run records what
-        a resume must not trust (checkpoints of that step or later, committed before now), and the
-        epoch moves on: every node restarts from the newest checkpoint before the corruption."""
+        a resume must not trust (checkpoints of that step or later, committed in this epoch or
+        before), and the epoch moves on: every node restarts from the newest checkpoint before the corruption."""
         node, step = str(suspect["node"]), int(suspect["step"])
         detail = (f"replay of rank {suspect['rank']}'s step {step} on {self.node_id}'s spare disagrees in "
                   f"{', '.join(u or '<root>' for u in suspect['units'])}")
@@ -237,7 +237,7 @@ class Supervisor:
             self.events.emit("run.fault", epoch=epoch, node=node, failure_kind="sdc", detail=detail, step=step,
                              by=self.node_id)
         record = self.records.quietly("sdc_rollback", lambda: self.state.record_sdc_rollback(
-            step, node, int(suspect["rank"]), self.node_id))
+            step, epoch, node, int(suspect["rank"]), self.node_id))
         if record is None:
             return  # etcd unreachable: the next check that sees it suspects again
         self.events.emit("sdc.rollback", from_step=record["from_step"], node=node, rank=suspect["rank"], epoch=epoch)

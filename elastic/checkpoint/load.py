@@ -118,9 +118,13 @@ class CommittedCheckpoints:
         self.events = events or EventLog(None, "checkpoint")
         self.group = group
         self.memory = memory
-        self.distrust: tuple[int, float] | None = None
-        """(step, ts): a silent corruption was found at ``step``; a checkpoint of that step or later
-        committed before ``ts`` holds it and is skipped (``checkpoint.skipped_suspect``)."""
+        self.epoch: int | None = None
+        """The run's restart epoch, written into each COMMIT marker (what a rollback compares)."""
+        self.distrust: tuple[int, int] | None = None
+        """(step, epoch): a silent corruption was found at ``step`` in ``epoch``; a checkpoint of that
+        step or later committed in that epoch or before holds it and is skipped
+        (``checkpoint.skipped_suspect``).  Not the finding's time: a save under way then commits after
+        it (measured: step 90's save committed 0.2 s after the finding and was resumed from)."""
         self._rank = collectives.rank()
 
     def wait(self) -> None:
@@ -188,8 +192,9 @@ class CommittedCheckpoints:
         """Written after a silent corruption it holds, before the corruption was found."""
         if self.distrust is None:
             return False
-        from_step, found_ts = self.distrust
-        return int(marker.get("step", -1)) >= from_step and float(marker.get("ts", 0.0)) < found_ts
+        from_step, found_epoch = self.distrust
+        epoch = marker.get("epoch")  # None: written before markers carried it: not trusted either
+        return int(marker.get("step", -1)) >= from_step and (epoch is None or int(epoch) <= found_epoch)
 
     def _pick(self, rejected: set[int]) -> int | str | None:
         """Rank 0: newest committed step that verifies, reporting each one skipped; the mismatch
@@ -209,7 +214,7 @@ class CommittedCheckpoints:
             if self._distrusted(marker):
                 assert self.distrust is not None
                 self.events.emit("checkpoint.skipped_suspect", step=step, corrupted_from=self.distrust[0],
-                                 committed_ts=marker.get("ts"), found_ts=self.distrust[1])
+                                 committed_epoch=marker.get("epoch"), found_epoch=self.distrust[1])
                 rejected.add(step)
                 continue
             return step

@@ -417,6 +417,7 @@ class CheckpointManager(CommittedCheckpoints):
             "world_size": manifest["world_size"],
             "fingerprint": self.fingerprint,
             "fingerprint_basis": self.fingerprint_basis,
+            **({"epoch": self.epoch} if self.epoch is not None else {}),
             "ts": time.time(),
             "files": files,
         }

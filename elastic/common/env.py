@@ -25,8 +25,8 @@ PG_TIMEOUT_ENV = "ELASTIC_PG_TIMEOUT"
 SKIP_STEPS_ENV = "ELASTIC_SKIP_STEPS"
 """Steps whose batch is skipped after a numerics rollback (``"12-12,30-31"``)."""
 DISTRUST_ENV = "ELASTIC_DISTRUST"
-"""``STEP@TS``: a silent corruption was found at STEP; checkpoints of STEP or later committed before
-TS (unix time) hold its effect, and a resume skips them (replay verification's rollback)."""
+"""``STEP@EPOCH``: a silent corruption was found at STEP in EPOCH; checkpoints of STEP or later
+committed in EPOCH or before hold its effect, and a resume skips them (replay verification's rollback)."""
 MEMSTATE_ADDR_ENV = "ELASTIC_MEMSTATE_ADDR"
 MEMSTATE_TOKEN_ENV = "ELASTIC_MEMSTATE_TOKEN"
 INPROCESS_ENV = "ELASTIC_INPROCESS"

@@ -23,8 +23,9 @@ can be listed, inspected (``elastic status``) and cleaned up as one prefix range
                                its final state once its agent left cleanly, "lost" once the leader
                                found its lease expired
     hangs/<epoch>/<node>       a stalled node's ranks: where each one is (hang attribution)
-    sdc/rollback               {from_step, ts, node, rank, by}: a replay found a silent corruption at
-                               from_step; checkpoints of that step or later committed before ts hold it
+    sdc/rollback               {from_step, epoch, node, rank, by, ts}: a replay found a silent corruption
+                               at from_step in epoch; checkpoints of that step or later committed in
+                               that epoch or before hold it
     sdc/sums/<rank>            that rank's last few replay checks: its gradient's checksums by step,
                                the world (epoch.generation) that computed them (one key per rank)
     diag/<node>                newest screen verdict

@@ -283,11 +283,12 @@ class RunState:
     def replay_sum(self, rank: int) -> dict[str, Any] | None:
         return self._record(self.keys.replay_sum(rank))
 
-    def record_sdc_rollback(self, from_step: int, node: str, rank: int, by: str) -> dict[str, Any]:
-        """A silent corruption at ``from_step``: what a resume must not trust (merged with an earlier
-        record: the lower step, the later time).  Returns the record now in force."""
+    def record_sdc_rollback(self, from_step: int, epoch: int, node: str, rank: int, by: str) -> dict[str, Any]:
+        """A silent corruption at ``from_step``, found in ``epoch``: what a resume must not trust
+        (merged with an earlier record: the lower step, the later epoch).  Returns the record now in force."""
         old = self.sdc_rollback() or {}
-        record = {"from_step": min(from_step, int(old.get("from_step", from_step))), "ts": self.clock(),
+        record = {"from_step": min(from_step, int(old.get("from_step", from_step))),
+                  "epoch": max(epoch, int(old.get("epoch", epoch))), "ts": self.clock(),
                   "node": node, "rank": rank, "by": by}
         self._put(self.keys.sdc_rollback, record)
         return record
@@ -296,9 +297,9 @@ class RunState:
         return self._record(self.keys.sdc_rollback)
 
     def distrust_spec(self) -> str:
-        """The rollback as the workers read it (``STEP@TS``), or ``""``."""
+        """The rollback as the workers read it (``STEP@EPOCH``), or ``""``."""
         record = self.sdc_rollback()
-        return f"{int(record['from_step'])}@{float(record['ts'])!r}" if record else ""
+        return f"{int(record['from_step'])}@{int(record['epoch'])}" if record else ""
 
     def put_diag(self, node_id: str, record: dict[str, Any] | str) -> None:
         value = record if isinstance(record, str) else json.dumps(record, default=str)

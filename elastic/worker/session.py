@@ -293,7 +293,7 @@ class WorkerSession:
         manager = CheckpointManager(self.cfg.checkpoint, root, self.cfg.fingerprint, self.events, group,
                                     publisher=publisher_from_env(), storage=storage, fingerprint_basis=basis,
                                     owner=self.group or "")
-        manager.distrust = distrust_from_env()
+        manager.epoch, manager.distrust = self.epoch, distrust_from_env()
         return manager
 
     # -- start ------------------------------------------------------------------
@@ -599,14 +599,14 @@ class WorkerSession:
         self.events.close()
 
 
-def distrust_from_env() -> tuple[int, float] | None:
-    """``ELASTIC_DISTRUST`` (``STEP@TS``, set by the agent after replay verification found a silent
-    corruption) as (step, ts), or None."""
+def distrust_from_env() -> tuple[int, int] | None:
+    """``ELASTIC_DISTRUST`` (``STEP@EPOCH``, set by the agent after replay verification found a
+    silent corruption) as (step, epoch), or None."""
     spec = os.environ.get(DISTRUST_ENV, "")
     if not spec:
         return None
-    step, _, ts = spec.partition("@")
-    return int(step), float(ts)
+    step, _, epoch = spec.partition("@")
+    return int(step), int(epoch)
 
 
 def parse_worker_args(prog: str, argv: list[str] | None) -> argparse.Namespace:
