@@ -167,7 +167,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--nodes", type=int, default=4)
     p.add_argument("--trainer", choices=["dit"], default="dit", help="the workload that replays (dit)")
-    p.add_argument("--every", type=int, nargs="+", default=[1, 10, 100], help="replay_every settings to cost")
+    p.add_argument("--every", type=int, nargs="*", default=[1, 10, 100],
+                   help="replay_every settings to cost (none: detection only)")
     p.add_argument("--block", type=int, default=20, help="steps per on/off block (at least replay_every)")
     p.add_argument("--block-pairs", type=int, default=3, help="on/off block pairs per cost run")
     p.add_argument("--warmup", type=int, default=100, help="steps before the blocks count (spares import)")
