@@ -333,3 +333,12 @@ def test_the_run_records_one_rollback_with_the_lowest_step_and_the_latest_epoch(
     assert state.distrust_spec() == "90@0"
     state.record_sdc_rollback(120, 1, "node3", 0, "node2")
     assert state.distrust_spec() == "90@1"
+
+
+def test_a_new_attempt_drops_the_checks_of_the_last_one(tmp_path):
+    agents = _Agents(tmp_path)
+    path = agents.captured(10)
+    agents.node0.attach(None)
+    [skipped] = agents.events("sdc.replay_skipped")
+    assert skipped["reason"] == "its attempt ended before the spare answered" and not path.exists()
+    assert agents.node0.ask({"verify": "x"}) == (None, "no in-process workers: no warm spare")

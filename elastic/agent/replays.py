@@ -74,7 +74,11 @@ class ReplayChecks:
         """The newest check that came while the spare was still importing (one: each is a model's weights)."""
 
     def attach(self, workers: Any) -> None:
-        """The attempt's in-process workers (their spare replays), or None: no spare to ask."""
+        """The attempt's in-process workers (their spare replays), or None: no spare to ask.  The
+        checks of the attempt before are dropped: their spare has gone with it."""
+        for check in [*self.pending.values(), *([self.held] if self.held else [])]:
+            self._skip(check, "its attempt ended before the spare answered")
+        self.held = None
         self.ask = workers.ask_spare if workers is not None else _no_spare
         self.spare = workers.spare_pid if workers is not None else (lambda: None)
         self.spare_state = workers.spare_state if workers is not None else (lambda: "none")
