@@ -368,8 +368,7 @@ def _sdc_caught(run_dir: Path, events: list[dict], inject: dict) -> Invariant:
     if named:
         e = named[0]
         return Invariant("sdc_detected", True, f"flip in {where} named at the check of step {e['step']} "
-                                               f"(checksum {e['checksum']} vs majority {e['majority']})",
-                         evidence(named[:1]))
+                                               f"({_suspect_detail(e)})", evidence(named[:1]))
     if suspects:
         return Invariant("sdc_detected", False, f"flip in {where}; the wrong node was named: "
                                                 f"{[(e.get('node'), e.get('rank')) for e in suspects]}",
@@ -377,6 +376,13 @@ def _sdc_caught(run_dir: Path, events: list[dict], inject: dict) -> Invariant:
     missing = [e for e in events if e.get("kind") == "sdc.no_majority"]
     why = "no strict majority of groups (sdc.no_majority)" if missing else "no sdc.suspect event"
     return Invariant("sdc_detected", False, f"flip in {where} not named: {why}", evidence(missing))
+
+
+def _suspect_detail(e: dict) -> str:
+    """How the suspect was told apart: the replica groups' majority, or a spare's replay."""
+    if e.get("source_check") == "replay":
+        return f"replayed on {e.get('verifier')}'s spare: {', '.join(u or '<root>' for u in e.get('units', []))} differ"
+    return f"checksum {e.get('checksum')} vs majority {e.get('majority')}"
 
 
 def _corruption_handled(events: list[dict], inject: dict) -> Invariant:

@@ -72,9 +72,10 @@ def standard_scenarios(nodes: list[str], steps: int, interval: int, check_every:
     # A step the agreement check covers before the next step's gradients are shared (kept bitwise);
     # under replay verification, a checked step in the second half (the spares have imported by then).
     flip = -(-ckpt // check_every) * check_every if check_every else ckpt
-    at = "shard"
+    at, rank = "shard", {"rank": 0}  # a replica group's rank 0
     if replay_every and not check_every:
-        flip, at = -(-max(ckpt, steps // 2) // replay_every) * replay_every, "local"
+        # In one world node1's ranks are not rank 0: any of them will do.
+        flip, at, rank = -(-max(ckpt, steps // 2) // replay_every) * replay_every, "local", {}
 
     def ex(**kw: Any) -> Expectation:
         return Expectation(steps=steps, **kw)
@@ -105,7 +106,7 @@ def standard_scenarios(nodes: list[str], steps: int, interval: int, check_every:
         Scenario("ckpt_write_error", [_spec("ckpt_write_error", nodes[0], at_time_s=0, step=ckpt)],
                  ex(required_events=["checkpoint.save_failed"])),
         # Silent: passes only when the flip is named (the sdc_detected invariant) and healed bitwise.
-        Scenario("sdc", [_spec("sdc", first, at_time_s=0, step=flip, rank=0, at=at)],
+        Scenario("sdc", [_spec("sdc", first, at_time_s=0, step=flip, at=at, **rank)],
                  ex(required_events=["sdc.suspect"], note=f"one bit of node1's gradient ({at}) flipped")),
         # A dead spare must be noticed and replaced before the node's next worker death needs one.
         Scenario("kill_spare", [_spec("kill_spare", first, at_step=interval + 2),

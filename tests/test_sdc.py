@@ -219,7 +219,7 @@ def test_the_suite_flips_on_a_checked_step_and_reports_an_uncovered_job_as_faile
     assert sdc_uncovered(replayed, 2) == ""  # two nodes suffice: each one's spare replays the other's rank
     [sdc] = [s for s in standard_scenarios(nodes, 40, 10, replay_every=7) if s.name == "sdc"]
     [fault] = sdc.faults  # a checked step in the second half (the spares have imported), local to the rank
-    assert (fault.params.step, fault.params.at) == (21, "local") and sdc.expect.bitwise
+    assert (fault.params.step, fault.params.at, fault.params.rank) == (21, "local", None) and sdc.expect.bitwise
     [sdc] = [s for s in standard_scenarios(nodes, 40, 10) if s.name == "sdc"]
     sdc.uncovered = sdc_uncovered(plain, 3)
     result = uncovered_result(sdc)
@@ -279,6 +279,10 @@ def test_the_sdc_invariant_wants_the_flipped_node_named(tmp_path):
     assert not _sdc_caught(tmp_path, [suspect("node1", 18)], inject).ok  # named before it happened
     tie = _sdc_caught(tmp_path, [{"kind": "sdc.no_majority", "ts": 51.0, "source": "x"}], inject)
     assert not tie.ok and "no strict majority" in tie.detail
+    replayed = {"kind": "sdc.suspect", "ts": 51.0, "source": "agent/node2", "source_check": "replay", "node": "node1",
+                "rank": 0, "step": 20, "verifier": "node2", "units": ["blocks.1"], "checksums": {}, "replayed": {}}
+    caught = _sdc_caught(tmp_path, [replayed], inject)
+    assert caught.ok and "replayed on node2's spare: blocks.1 differ" in caught.detail
 
 
 def _group(tmp_path, node: str, check_every: int = 2):

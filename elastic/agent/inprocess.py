@@ -326,13 +326,15 @@ class InProcessWorkers:
         return spare.pid, ""
 
     def _spare_ready(self) -> bool:
-        """The spare's first line says it has imported (``{"spare": "ready", ...}``); read until it does."""
+        """The spare's log says it has imported everything (``{"spare": "warm", ...}``, its second
+        line; until then its warm-up thread holds the import lock, and a first replay waited 2.8 s
+        behind it while the next checks piled up); read until it does."""
         assert self.spare is not None
         if self._ready_pid == self.spare.pid:
             return True
         try:
             with open(self.spare_log, "rb") as fh:
-                ready = b'"spare": "ready"' in fh.readline()
+                ready = any(b'"spare": "warm"' in fh.readline() for _ in range(3))
         except OSError:
             return False
         if ready:

@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     # 1.2 s from its assignment to joining the generation (cProfile of a DiT spare, 4 local nodes).
     # In a thread after "ready": an assignment that comes first is not held back by it (the
     # trainer's own import of it then waits on the import lock, never imports twice).
-    threading.Thread(target=_warm, args=(t0,), name="warm-dynamo", daemon=True).start()
+    threading.Thread(target=_warm, args=(t0, module, args[2:]), name="warm-dynamo", daemon=True).start()
     while True:
         line = sys.stdin.readline()
         if not line.strip():
@@ -76,10 +76,18 @@ def verify(module: ModuleType, argv: list[str], path: Path) -> None:
     print(json.dumps({"spare": "verified", "path": str(path), **result}), flush=True)
 
 
-def _warm(t0: float) -> None:
-    """Import torch._dynamo, then say so: until then the spare still takes CPU from the node's
-    workers (``benchmarks/recovery.py`` measures steady-state step times only after every "warm")."""
+def _warm(t0: float, module: ModuleType, argv: list[str]) -> None:
+    """Import torch._dynamo (and the trainer's replay module, with what it caches for a replay),
+    then say so: until then the spare still takes CPU from the node's workers
+    (``benchmarks/recovery.py`` measures steady-state step times only after every "warm")."""
     importlib.import_module("torch._dynamo")
+    replay_module = getattr(module, "REPLAY_MODULE", "")
+    try:
+        warm = getattr(importlib.import_module(replay_module), "warm", None) if replay_module else None
+        if warm is not None:
+            warm(argv)
+    except Exception as exc:  # noqa: BLE001 - a replay will fail and say why; the spare still takes slots
+        print(json.dumps({"spare": "replay_warm_failed", "error": f"{type(exc).__name__}: {exc}"}), flush=True)
     print(json.dumps({"spare": "warm", "warm_s": round(time.monotonic() - t0, 3), "ts": time.time()}), flush=True)
 
 
