@@ -450,7 +450,10 @@ class InProcessWorkers:
         (the attempt falls back: a replacement that failed never passes for a recovery)."""
         assert self.spare is not None and self.worker_env is not None and self._attempt is not None
         spare, self.spare = self.spare, None
+        # LOCAL_WORLD_SIZE as torchrun gives its workers: the snapshot budget and replay verification's
+        # roles divide by it (a spare without it took itself for its node's only rank).
         env = {**self.worker_env.to_env(), "ELASTIC_JOIN_GEN": str(gen), "LOCAL_RANK": str(local), "ELASTIC_SCREEN": "",
+               "LOCAL_WORLD_SIZE": str(self.spec.nproc_per_node),
                "TORCHELASTIC_ERROR_FILE": str(self._attempt.dir / f"error-spare-{spare.pid}.json")}
         try:
             assert spare.stdin is not None
