@@ -50,3 +50,39 @@ def test_a_lost_lease_is_reported_once_whoever_notices_it():
     keeper.mark_lost()
     assert keeper.lost.is_set() and lost == [1]
     keeper.close()
+
+
+def test_a_failed_refresh_is_retried_soon_then_less_often_and_success_restores_the_interval():
+    from elastic.control.lease import next_wait
+
+    assert next_wait(3.3, 0) == 3.3
+    assert [next_wait(3.3, n) for n in range(1, 6)] == [0.25, 0.5, 1.0, 2.0, 3.3]
+
+
+def test_the_keeper_goes_on_refreshing_after_failed_refreshes():
+    import threading
+
+    from elastic.control.store import StoreError
+
+    class Flaky(MemoryStore):
+        """Fails the first two refreshes (its member stalled), then answers."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.calls = 0
+            self.answered = threading.Event()
+
+        def refresh_lease(self, lease_id: int, timeout: float | None = None) -> None:
+            self.calls += 1
+            if self.calls <= 2:
+                raise StoreError("member stalled")
+            super().refresh_lease(lease_id)
+            self.answered.set()
+
+    store = Flaky()
+    keeper = LeaseKeeper(store, 3)  # refreshes every 1 s; retries after 0.25 s, then 0.5 s
+    try:
+        assert store.answered.wait(10)
+        assert not keeper.lost.is_set() and store.calls == 3
+    finally:
+        keeper.close()
