@@ -32,6 +32,7 @@ from elastic.checkpoint.statedict import same_tree
 from elastic.common.config import from_dict
 from elastic.common.events import EventLog
 from elastic.control.generations import Plan, Slot
+from elastic.sdc.config import SdcConfig
 from elastic.worker.generation import RecoveryUnavailable
 from elastic.worker.inprocess import InProcess
 from trainer.data import GlobalSampler
@@ -51,8 +52,8 @@ def _cfg() -> DiTTrainerConfig:
 
 def _session(world: int, inproc: object | None) -> SimpleNamespace:
     """What DiTRun reads of a WorkerSession (and its steps call)."""
-    return SimpleNamespace(cfg=SimpleNamespace(trainer=_cfg()), device=torch.device("cpu"), world=world,
-                           inproc=inproc, loss=lambda step, value: value, commit_point=lambda: None,
+    return SimpleNamespace(cfg=SimpleNamespace(trainer=_cfg(), sdc=SdcConfig()), device=torch.device("cpu"),
+                           world=world, inproc=inproc, loss=lambda step, value: value, commit_point=lambda: None,
                            hooks=SimpleNamespace(sdc=lambda step: None))
 
 
