@@ -271,3 +271,16 @@ def test_goodput_counts_redone_steps_as_lost():
     assert g["startup_s"] == 10.0  # first step began at t=10
     assert g["recovery_s"] == 10.0  # last step before restart ended 15, next began 25
     assert g["goodput"] == round(6.0 / 28.0, 4)
+
+
+def test_a_peer_lost_in_the_final_collectives_is_a_failed_recovery_not_this_ranks_fault():
+    """Measured: a rank that crashed in the final checksum made each peer exit 1, counted as its
+    node's own failure, until the lemon policy excluded a healthy node of a fixed-size run."""
+    from elastic.common.exits import EXIT_RECOVERY_FAILED
+    from elastic.worker.session import RecoveryFailed, _final_peer_lost
+
+    lost = RuntimeError("[gloo/transport/tcp/pair.cc:545] Read error [127.0.0.1]:53400: Connection reset by peer")
+    out = _final_peer_lost(lost, 120)
+    assert isinstance(out, RecoveryFailed) and out.code == EXIT_RECOVERY_FAILED and "step 120" in str(out)
+    bug = ValueError("a bug of this rank")
+    assert _final_peer_lost(bug, 120) is bug

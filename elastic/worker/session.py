@@ -157,6 +157,17 @@ def _retryable(err: BaseException) -> bool:
     return is_peer_failure(err) or isinstance(err, dist.DistNetworkError)
 
 
+def _final_peer_lost(exc: Exception, step: int) -> Exception:
+    """A peer that died during the final collectives (its fault monitor is off by then) is no fault
+    of this rank: it leaves as a failed recovery (uncounted; the run restarts from the final
+    checkpoint, committed before these collectives, and finishes).  Measured: a rank that crashed
+    in the final checksum made its peers exit 1, each counted as its node's own failure, until the
+    lemon policy excluded a healthy node and the fixed-size run waited for it."""
+    if not is_peer_failure(exc):
+        return exc
+    return RecoveryFailed(f"a peer went away during the final collectives of step {step}: {exc}"[:500])
+
+
 def _join_as_spare(inproc: InProcess, device: torch.device) -> Plan:
     """A spare's first generation; a peer lost while it forms (the new rank 0's store gone) makes
     it join the next one, as the survivors do, instead of failing the slot."""
@@ -578,12 +589,17 @@ class WorkerSession:
             self.ckpt.close()  # the final save must commit before the process group goes away
         self.scalars.close()
         self.agent.report_done(step)
-        checksum = param_checksum(model)
-        publish_checksum(self.run_dir, self.rank, checksum)
-        if self.inproc is not None:
-            fields["snapshot"] = self.inproc.snapshot_costs()
-        self.events.emit("trainer.done", step=step, checksum=checksum, **fields)
-        dist.barrier()
+        try:
+            checksum = param_checksum(model)
+            publish_checksum(self.run_dir, self.rank, checksum)
+            if self.inproc is not None:
+                fields["snapshot"] = self.inproc.snapshot_costs()
+            self.events.emit("trainer.done", step=step, checksum=checksum, **fields)
+            dist.barrier()
+        except Exception as exc:
+            if self.inproc is None:
+                raise  # torchrun's error file says "peer lost": the agent's classifier counts nobody
+            raise _final_peer_lost(exc, step) from exc
         return checksum
 
     def close(self) -> None:
