@@ -143,6 +143,7 @@ def detect_once(args, work: Path, seed: int, reference: str | None) -> dict:
     out.update(detected=True, suspects=len(suspects),
                named_right=(first["node"], first["rank"], first["step"]) == (node, fired[0]["rank"], step),
                latency_steps=first["step"] - step, latency_s=round(first["ts"] - fired[0]["ts"], 3),
+               arbitrated=first.get("arbitrated"), arbiter=first.get("arbiter"),
                rolled_back=any(e["kind"] == "sdc.rollback" for e in events),
                resumed_from=[e["step"] for e in events if e["kind"] == "checkpoint.loaded" and e["ts"] > first["ts"]
                              and e["source"] == RANK0],

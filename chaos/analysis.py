@@ -381,7 +381,9 @@ def _sdc_caught(run_dir: Path, events: list[dict], inject: dict) -> Invariant:
 def _suspect_detail(e: dict) -> str:
     """How the suspect was told apart: the replica groups' majority, or a spare's replay."""
     if e.get("source_check") == "replay":
-        return f"replayed on {e.get('verifier')}'s spare: {', '.join(u or '<root>' for u in e.get('units', []))} differ"
+        how = f"arbitrated by {e.get('arbiter')}" if e.get("arbitrated") else f"not arbitrated: {e.get('arbitration')}"
+        return (f"replayed on {e.get('verifier')}'s spare: {', '.join(u or '<root>' for u in e.get('units', []))} "
+                f"differ; {how}")
     return f"checksum {e.get('checksum')} vs majority {e.get('majority')}"
 
 

@@ -86,11 +86,13 @@ class SdcParams:
     """Rank (within the node's group in replica mode) whose shard is hit; default: the first to claim it."""
     bit: int | None = None
     """Mantissa bit to flip; default: the top one (fp32 bit 22), which always moves the weights."""
-    at: Literal["shard", "local"] = "shard"
+    at: Literal["shard", "local", "replay"] = "shard"
     """``shard``: the rank's reduced gradient shard before its optimizer step (only that rank's
     weights change: what cross-replica agreement, ``sdc.check_every``, finds); ``local``: the rank's
     own gradient before the reduce-scatter, as a GPU that computes wrong would (every rank steps the
-    same wrong weights: only replay verification, ``sdc.replay_every``, finds it, at a checked step)."""
+    same wrong weights: only replay verification, ``sdc.replay_every``, finds it, at a checked step);
+    ``replay``: the node's warm spare computes its replay of the checked step wrong (a verifier on a bad
+    GPU): the training is right, the arbitration must name the verifying node, never the checked one."""
 
 
 @register("sdc")

@@ -188,7 +188,8 @@ def test_the_agents_sdc_action_writes_a_node_restricted_file(tmp_path):
     with pytest.raises(BadRequest, match="params.bit: expected an integer"):
         ACTIONS["sdc"](view, {"bit": "high"})
     assert ACTIONS["sdc"](view, {"step": 14, "at": "local"})["spec"]["at"] == "local"
-    with pytest.raises(BadRequest, match="params.at: expected 'shard' or 'local', got 'gemm'"):
+    assert ACTIONS["sdc"](view, {"step": 14, "at": "replay"})["spec"]["at"] == "replay"
+    with pytest.raises(BadRequest, match="params.at: expected 'shard', 'local' or 'replay', got 'gemm'"):
         ACTIONS["sdc"](view, {"at": "gemm"})
 
 

@@ -342,3 +342,220 @@ def test_a_new_attempt_drops_the_checks_of_the_last_one(tmp_path):
     [skipped] = agents.events("sdc.replay_skipped")
     assert skipped["reason"] == "its attempt ended before the spare answered" and not path.exists()
     assert agents.node0.ask({"verify": "x"}) == (None, "no in-process workers: no warm spare")
+
+
+# -- arbitration: a third node's spare replays a check whose first replay disagreed -----------------
+class _Three(_Agents):
+    """node1's rank 1 is checked, node0 verifies, node2 arbitrates (its requests come from the store,
+    as its run signals' watch would hand them over)."""
+
+    def __init__(self, tmp_path: Path, nodes: tuple[str, ...] = ("node0", "node1", "node2")) -> None:
+        super().__init__(tmp_path)
+        self.node0.nodes = lambda: list(nodes)
+        self.node2 = ReplayChecks("node2", self.state, EventLog(tmp_path / "events" / "agent-node2.jsonl", "agent/node2"),
+                                  clock=self.clock)
+        self.arbiter_asked: list[dict] = []
+        self.arbiter_pid: int | None = 300
+        self.node2.ask = lambda request: (self.arbiter_asked.append(request) or (self.arbiter_pid, "")) \
+            if self.arbiter_pid else (None, "no warm spare on this node")
+        self.node2.spare = lambda: self.arbiter_pid
+        self.node2.requests = self._request
+        self.verdicts: dict[str, list[dict]] = {"node0": [], "node2": []}
+        self.node0.on_suspect = self.verdicts["node0"].append
+        self.node2.on_suspect = self.verdicts["node2"].append
+
+    def _request(self):
+        kv = self.state.store.get(self.state.keys.sdc_arbitrate("node2"))
+        return (kv.mod_revision, json.loads(kv.value)) if kv is not None else None
+
+    def mismatch(self, step: int = 10) -> Path:
+        """node0's spare disagrees with rank 1 at ``step``: node0 asks node2 to arbitrate."""
+        self.checked(step)
+        path = self.captured(step)
+        write_result(path, {"step": step, "rank": 1, "checksums": WRONG, "replay_s": 0.2})
+        self.node0.poll()
+        return path
+
+    def arbitrate(self, sums: dict) -> None:
+        self.node2.poll()
+        write_result(Path(self.arbiter_asked[-1]["verify"]), {"step": 10, "rank": 1, "checksums": sums,
+                                                               "replay_s": 0.3}, arbiter=True)
+        self.node2.poll()
+
+
+WRONG = {**SUMS, "blocks.0": 23}
+
+
+def test_a_mismatch_is_arbitrated_by_a_third_node_and_two_replays_against_the_rank_name_it(tmp_path):
+    agents = _Three(tmp_path)
+    path = agents.mismatch()
+    [mismatch] = agents.events("sdc.mismatch")
+    assert (mismatch["node"], mismatch["verifier"], mismatch["arbiter"]) == ("node1", "node0", "node2")
+    assert agents.events("sdc.suspect") == [] and path.exists()  # kept for the arbiter's replay
+    agents.arbitrate(WRONG)
+    assert agents.arbiter_asked == [{"verify": str(path), "arbiter": True}]
+    [suspect] = agents.events("sdc.suspect")
+    assert (suspect["node"], suspect["role"], suspect["rank"], suspect["step"]) == ("node1", "rank", 1, 10)
+    assert (suspect["arbitrated"], suspect["arbiter"], suspect["verifier"]) == (True, "node2", "node0")
+    assert suspect["units"] == ["blocks.0"] and suspect["arbitrated_sums"] == WRONG
+    assert [v["rollback"] for v in agents.verdicts["node2"]] == [True] and agents.verdicts["node0"] == []
+    agents.clock.advance(1)
+    agents.node0.poll()  # the verifier reads the verdict and lets the input go; judges nothing itself
+    assert agents.node0.asked == {} and not path.exists() and agents.verdicts["node0"] == []
+
+
+def test_an_arbiter_that_agrees_with_the_rank_names_the_verifier_and_nothing_is_rolled_back(tmp_path):
+    agents = _Three(tmp_path)
+    agents.mismatch()
+    agents.arbitrate(SUMS)
+    [suspect] = agents.events("sdc.suspect")
+    assert (suspect["node"], suspect["role"], suspect["rollback"]) == ("node0", "verifier", False)
+    assert agents.verdicts["node2"][0]["node"] == "node0"
+
+
+def test_three_different_answers_roll_back_and_blame_nobody(tmp_path):
+    agents = _Three(tmp_path)
+    agents.mismatch()
+    agents.arbitrate({**SUMS, "": 99})
+    assert agents.events("sdc.suspect") == []
+    [inconclusive] = agents.events("sdc.inconclusive")
+    assert (inconclusive["node"], inconclusive["arbiter"]) == ("node1", "node2")
+    [verdict] = agents.verdicts["node2"]
+    assert verdict["role"] is None and verdict["rollback"] and verdict["count"] is False
+
+
+def test_without_an_arbiter_the_verifier_judges_alone_and_says_why(tmp_path):
+    agents = _Three(tmp_path, nodes=("node0", "node1"))
+    agents.mismatch()
+    [suspect] = agents.events("sdc.suspect")
+    assert (suspect["node"], suspect["arbitrated"], suspect["arbitration"]) == \
+        ("node1", False, "no third node in the run to arbitrate")
+
+
+def test_an_arbiter_that_cannot_replay_or_stays_silent_leaves_the_verifier_to_judge(tmp_path):
+    agents = _Three(tmp_path)
+    agents.arbiter_pid = None
+    path = agents.mismatch()
+    agents.node2.poll()  # no spare: it answers "skipped" through the same key
+    agents.clock.advance(1)
+    agents.node0.poll()
+    [suspect] = agents.events("sdc.suspect")
+    assert suspect["arbitration"] == "node2 could not arbitrate: no warm spare on this node"
+    assert suspect["node"] == "node1" and not path.exists()
+
+    agents = _Three(tmp_path / "silent")
+    agents.mismatch()
+    agents.clock.advance(31)  # node2 never looks (its agent is stopped)
+    agents.node0.poll()
+    [suspect] = agents.events("sdc.suspect")
+    assert suspect["arbitration"] == "no verdict from node2 within 30s"
+
+
+def test_an_arbiter_that_cannot_read_the_input_says_so(tmp_path):
+    agents = _Three(tmp_path)
+    path = agents.mismatch()
+    moved = path.rename(path.with_suffix(".elsewhere"))  # another host: the run directory not shared
+    agents.node2.poll()
+    [skipped] = agents.events("sdc.replay_skipped")
+    assert skipped["arbitration"] and "not readable on node2" in skipped["reason"]
+    moved.rename(path)
+    agents.clock.advance(1)
+    agents.node0.poll()
+    assert "not readable on node2" in agents.events("sdc.suspect")[0]["arbitration"]
+
+
+def test_a_suspect_carries_its_ranks_last_verified_step(tmp_path):
+    agents = _Three(tmp_path, nodes=("node0", "node1"))
+    agents.checked(10)
+    path = agents.captured(10)
+    write_result(path, {"step": 10, "rank": 1, "checksums": SUMS, "replay_s": 0.2})
+    agents.node0.poll()
+    agents.mismatch(step=20)
+    [suspect] = agents.events("sdc.suspect")
+    assert (suspect["step"], suspect["verified_step"]) == (20, 10)
+
+
+def test_the_rollback_record_names_the_node_to_rescreen():
+    state = RunState(MemoryStore(FakeClock()), RunKeys.of("/elastic", "r"))
+    state.record_sdc_rollback(11, 0, "node1", 1, "node2", rescreen=True)
+    assert state.sdc_rollback()["rescreen"] is True and state.distrust_spec() == "11@0"
+
+
+# -- what the verdict does: the supervisor's side on the in-memory store ------------------------------
+def _supervisor(tmp_path: Path, min_nodes: int | None):
+    import threading
+    from types import SimpleNamespace
+
+    from elastic.agent.config import AgentConfig
+    from elastic.agent.failures import ProgressGuard
+    from elastic.agent.records import NodeRecords
+    from elastic.agent.scopes import RunScope
+    from elastic.agent.supervise import Supervisor
+
+    state = RunState(MemoryStore(FakeClock()), RunKeys.of("/elastic", "r"))
+    events = EventLog(tmp_path / "events" / "agent-node0.jsonl", "agent/node0")
+    spec = SimpleNamespace(nnodes="3", run_id="r")
+    sup = Supervisor("node0", AgentConfig(), state, events, SimpleNamespace(run_dir=tmp_path), None,
+                     RunScope(spec, state, events), NodeRecords(state, "node0", events, lambda: None),
+                     ProgressGuard(0), threading.Event(), lambda: "running")
+    sup.min_nodes = min_nodes
+    for node in ("node0", "node1", "node2"):
+        state.put_heartbeat(node, {"epoch": 0})
+    return sup, state
+
+
+VERDICT = {"node": "node1", "rank": 1, "step": 40, "verifier": "node2", "arbiter": "node0", "arbitrated": True,
+           "units": ["blocks.0"], "verified_step": 30}
+
+
+def test_a_wrong_rank_in_an_elastic_run_is_excluded_and_the_run_distrusts_what_followed_its_last_verified_step(tmp_path):
+    sup, state = _supervisor(tmp_path, min_nodes=2)
+    sup.sdc_rollback({**VERDICT, "role": "rank", "rollback": True}, epoch=0)
+    assert state.distrust_spec() == "31@0" and state.sdc_rollback()["rescreen"] is True
+    assert state.exclusions.get("node1")["by"] == "sdc/node0" and state.epoch() == 1
+    assert [f["node"] for f in state.faults()] == ["node1"] and list(state.failures()) == ["node1"]
+    [rollback] = [e for e in read_run_events(tmp_path) if e["kind"] == "sdc.rollback"]
+    assert (rollback["from_step"], rollback["detected_step"], rollback["verified_step"]) == (31, 40, 30)
+
+
+def test_a_fixed_size_run_keeps_the_suspect_and_a_wrong_verifier_rolls_nothing_back(tmp_path):
+    sup, state = _supervisor(tmp_path, min_nodes=None)
+    sup.sdc_rollback({**VERDICT, "role": "rank", "rollback": True, "verified_step": None}, epoch=0)
+    assert state.exclusions.get("node1") is None and state.distrust_spec() == "40@0"  # never verified: from the step
+    sup, state = _supervisor(tmp_path / "verifier", min_nodes=2)
+    sup.sdc_rollback({**VERDICT, "node": "node2", "role": "verifier", "rollback": False}, epoch=0)
+    assert state.sdc_rollback() is None and state.epoch() == 0
+    assert state.exclusions.get("node2") is not None and [f["node"] for f in state.faults()] == ["node2"]
+
+
+def test_an_elastic_run_at_its_minimum_keeps_the_suspect_and_nobody_is_blamed_when_no_two_agree(tmp_path):
+    sup, state = _supervisor(tmp_path, min_nodes=3)
+    sup.sdc_rollback({**VERDICT, "role": "rank", "rollback": True}, epoch=0)
+    assert state.exclusions.get("node1") is None
+    assert [e["reason"] for e in read_run_events(tmp_path) if e["kind"] == "sdc.kept"] == \
+        ["the run needs 3 nodes and has 3"]
+    sup, state = _supervisor(tmp_path / "none", min_nodes=2)
+    sup.sdc_rollback({**VERDICT, "role": None, "rollback": True, "count": False}, epoch=0)
+    assert state.faults() == [] and state.exclusions.all() == {} and state.distrust_spec() == "31@0"
+    assert state.sdc_rollback()["rescreen"] is False and state.epoch() == 1
+
+
+def test_min_nodes_reads_an_elastic_range_only():
+    from elastic.agent.node import _min_nodes
+
+    assert (_min_nodes("3:4"), _min_nodes("4"), _min_nodes("4:4")) == (3, None, None)
+
+
+def test_a_new_attempt_reads_the_arbiters_verdict_before_judging_alone(tmp_path):
+    """The arbiter's rollback bumps the epoch: the verifier's attempt may end before it read the
+    verdict; the verdict it then finds is the only one (measured: a second ``sdc.suspect`` otherwise)."""
+    agents = _Three(tmp_path)
+    agents.mismatch()
+    agents.arbitrate(WRONG)
+    agents.node0.attach(None)
+    assert len(agents.events("sdc.suspect")) == 1 and agents.verdicts["node0"] == []
+    agents = _Three(tmp_path / "unanswered")
+    agents.mismatch()
+    agents.node0.attach(None)
+    [suspect] = agents.events("sdc.suspect")
+    assert suspect["arbitration"] == "its attempt ended before the arbiter answered"

@@ -189,9 +189,9 @@ def sdc(view: NodeView, params: dict[str, Any]) -> dict[str, Any]:
         if value is not None:
             spec[name] = value
     at = params.get("at", "shard")
-    if at not in ("shard", "local"):
-        raise BadRequest(f"params.at: expected 'shard' or 'local', got {at!r}")
-    if at == "local":
+    if at not in ("shard", "local", "replay"):
+        raise BadRequest(f"params.at: expected 'shard', 'local' or 'replay', got {at!r}")
+    if at != "shard":
         spec["at"] = at
     return _fault_file(view, f"sdc-{step}", spec)
 

@@ -113,6 +113,8 @@ class NodeAgent:
         self.supervisor = Supervisor(spec.node_id, config, self.state, self.events, self.metrics, self.inbox,
                                      self.scope, self.records, self.progress, self._stop, lambda: self.status.value)
         self.supervisor.screener_record = self.screener.recorded
+        self.supervisor.min_nodes = _min_nodes(spec.nnodes)
+        self.supervisor.sdc_replay = sdc_replay
         self._screen_spec: dict | None = None
         self.remote = RemoteFaults(config.chaos, spec.node_id, spec.run_id, spec.run_dir,
                                    checkpoint_root or spec.run_dir / "checkpoints", self.state, self.events,
@@ -275,6 +277,8 @@ class NodeAgent:
             return self.leave.excluded(record.get("reason"), record.get("until"))
         self.progress.restarted()
         if result.outcome == Outcome.PEER_RESTART:
+            if (code := self._sdc_rescreen(epoch)) is not None:
+                return code
             self.events.emit("agent.restart", reason="peer", epoch=epoch, counted=False, fault=self._fault_id(epoch))
             return self._progress_check()
         return self._act(result.decision or self.failures.decide(result, epoch), result, epoch)
@@ -313,6 +317,21 @@ class NodeAgent:
                          failures=self.failures.failures, action=decision.action, fault=self._fault_id(epoch))
         return self._progress_check()
 
+    def _sdc_rescreen(self, epoch: int) -> int | None:
+        """A replay named this node's rank as computing wrong and rolled the run back: the node
+        screens itself before it trains again (GEMM correctness checks, ``diag burnin``); failing,
+        it is excluded and leaves.  Without a pre-flight screen configured it rejoins, said so."""
+        record = self.records.quietly("sdc_rollback", self.state.sdc_rollback) if self.sdc_replay else None
+        if not record or record.get("node") != self.spec.node_id or not record.get("rescreen") \
+                or int(record.get("epoch", -1)) != epoch:
+            return None
+        if not self.config.preflight.enabled:
+            self.events.emit("sdc.rescreen", screened=False, reason="agent.preflight.enabled is false")
+            return None
+        code = self._screen(f"after sdc at step {record.get('from_step')}", by="rescreen", epoch=epoch)
+        self.events.emit("sdc.rescreen", screened=True, passed=code is None)
+        return code
+
     def _fault_id(self, epoch: int) -> str:
         """Names one fault across agents: the epoch it ended (a replica group restarts alone)."""
         return f"e{epoch}" if self.scope.name == "run" else f"{self.spec.node_id}/a{self.attempt}"
@@ -324,3 +343,9 @@ class NodeAgent:
             latest = None
         reason = self.progress.check(latest)
         return self.leave.stop_run(reason) if reason else None
+
+
+def _min_nodes(nnodes: str) -> int | None:
+    """``launch.nodes`` ``MIN:MAX`` with MIN < MAX: MIN (the run may shrink to it); else None."""
+    low, _, high = str(nnodes).partition(":")
+    return int(low) if high and int(low) < int(high) else None

@@ -7,9 +7,26 @@ Two roles, by the reports its workers send:
   check);
 * ``replay``: a local rank captured the inputs of another node's checked rank; this agent's warm
   spare replays them (a line on its stdin) and leaves its checksums beside the input.  The agent
-  then compares them with the checked rank's from etcd and says what it found: ``sdc.verified``,
-  or ``sdc.suspect`` naming the checked rank's node, the rank, the step, both sets of checksums
-  and the units (FSDP-wrapped modules) whose gradients differ.
+  then compares them with the checked rank's from etcd: ``sdc.verified``, or a mismatch.
+
+A mismatch does not yet say who computed wrong: the checked rank's GPU or the verifier's.  The
+verifier's agent asks a third node (the next node of the run after it, neither the checked one nor
+itself) to **arbitrate**: it puts the check (input path, both checksum sets) in
+``sdc/arbitrate/<arbiter>``, a key that agent watches with its run signals (no polling); the
+arbiter's spare replays the same input and its agent judges two against one: agreeing with the
+verifier, the checked rank's node is the suspect and the run rolls back; agreeing with the rank, the
+verifier's node computed wrong (counted against it, the run's training was right: no rollback); with
+neither, nobody is named and the run rolls back (``sdc.inconclusive``).  The arbiter writes its
+verdict into the same key; the verifier's agent, which reads that key every 0.5 s while it waits,
+judges alone (``arbitrated: false``, the reason said) when no third node exists, the arbiter cannot
+replay (no spare, the input not readable there: the run directory must be shared across nodes for
+arbitration) or says nothing within ``arbitrate_timeout_s``.  The verdict is one ``sdc.suspect``
+naming the node, its role (``rank`` or ``verifier``), the rank, the step, every set of checksums
+and the units (FSDP-wrapped modules) whose gradients differ.
+
+A rank's last verified step (this agent's view: it verifies one node's checks) goes with a suspect
+(``verified_step``): a GPU that computes wrong may have done so since, so the rollback distrusts
+every checkpoint after it, not only those from the detected step.
 
 A check is compared only within one world (the ``tag``: epoch and generation) and one step: a
 rank's record from another world or a later step means this check can no longer be compared
@@ -42,6 +59,24 @@ class _Pending:
     spare: int
     result: dict[str, Any] | None = None
     next_read: float = 0.0
+    arbitration: dict[str, Any] | None = None
+    """The request this replay arbitrates (None: a first replay, of this node's own check)."""
+
+    @property
+    def key(self) -> Path:
+        return result_path(self.path, arbiter=self.arbitration is not None)
+
+
+@dataclass
+class _Asked:
+    """An arbitration this agent asked another node for, until its verdict."""
+
+    id: str
+    arbiter: str
+    suspect: dict[str, Any]
+    path: Path
+    deadline: float
+    next_read: float = 0.0
 
 
 class ReplayChecks:
@@ -51,8 +86,9 @@ class ReplayChecks:
     """Checks of a rank kept in its etcd record: a replay may answer after the rank's next checks."""
 
     def __init__(self, node_id: str, state: RunState, events: EventLog, timeout_s: float = 120.0,
-                 queue: int = 2, clock: Callable[[], float] = time.monotonic) -> None:
+                 queue: int = 2, clock: Callable[[], float] = time.monotonic, arbitrate_timeout_s: float = 30.0) -> None:
         self.node_id = node_id
+        self.arbitrate_timeout_s = arbitrate_timeout_s
         self.queue = queue
         """Checks a spare may have waiting (it reads them in order): one being replayed, one behind it.
         More means the spare cannot keep up; the newest are dropped rather than queued without end."""
@@ -72,6 +108,14 @@ class ReplayChecks:
         """``none``, ``importing`` or ``ready``: a check that comes while the spare imports is held."""
         self.held: _Pending | None = None
         """The newest check that came while the spare was still importing (one: each is a model's weights)."""
+        self.nodes: Callable[[], list[str]] = lambda: []
+        """The run's nodes now (an arbiter is picked among them); may raise StoreError."""
+        self.requests: Callable[[], tuple[int, dict[str, Any]] | None] = lambda: None
+        """The newest arbitration asked of this node: (revision, record), from the run signals' watch."""
+        self._request_seen = 0
+        self.asked: dict[str, _Asked] = {}
+        self.verified: dict[int, int] = {}
+        """Rank -> the last step whose replay agreed with it (the checks this agent verified)."""
 
     def attach(self, workers: Any) -> None:
         """The attempt's in-process workers (their spare replays), or None: no spare to ask.  The
@@ -79,6 +123,8 @@ class ReplayChecks:
         for check in [*self.pending.values(), *([self.held] if self.held else [])]:
             self._skip(check, "its attempt ended before the spare answered")
         self.held = None
+        for asked in list(self.asked.values()):  # the arbiter may have judged (and bumped the epoch) already
+            self._await_verdict(asked, self.clock(), final="its attempt ended before the arbiter answered")
         self.ask = workers.ask_spare if workers is not None else _no_spare
         self.spare = workers.spare_pid if workers is not None else (lambda: None)
         self.spare_state = workers.spare_state if workers is not None else (lambda: "none")
@@ -108,7 +154,7 @@ class ReplayChecks:
         path = Path(str(report["path"]))
         check = _Pending(path, int(report["step"]), int(report["checked_rank"]), str(report.get("tag")),
                          self.clock(), 0)
-        waiting = sum(1 for p in self.pending.values() if p.result is None and not result_path(p.path).exists())
+        waiting = sum(1 for p in self.pending.values() if p.result is None and not p.key.exists())
         if waiting >= self.queue:
             return self._skip(check, f"the spare has {waiting} checks to replay before it")
         if self.spare_state() == "importing":
@@ -123,25 +169,31 @@ class ReplayChecks:
         self.held = check
 
     def _send(self, check: _Pending) -> None:
-        spare, why = self.ask({"verify": str(check.path)})
+        arbiter = check.arbitration is not None
+        spare, why = self.ask({"verify": str(check.path), **({"arbiter": True} if arbiter else {})})
         if spare is None:
             return self._skip(check, why)
         check.spare, check.asked_at = spare, self.clock()
-        self.pending[check.path] = check
+        self.pending[check.key] = check
         return None
 
     def poll(self) -> None:
         if self.held is not None and self.spare_state() != "importing":
             held, self.held = self.held, None
             self._send(held)
+        self._take_request()
         now = self.clock()
+        for asked in list(self.asked.values()):
+            if now >= asked.next_read:
+                asked.next_read = now + 0.5
+                self._await_verdict(asked, now)
         for check in list(self.pending.values()):
             if check.result is None:
-                check.result = read_result(check.path)
+                check.result = read_result(check.path, arbiter=check.arbitration is not None)
             if check.result is not None and now >= check.next_read:
                 check.next_read = now + 0.5
                 self._compare(check)
-            if check.path not in self.pending or check.result is not None:
+            if check.key not in self.pending or check.result is not None:
                 continue
             if self.spare() != check.spare:
                 self._skip(check, "the spare took a worker's slot before it answered")
@@ -152,6 +204,8 @@ class ReplayChecks:
         assert check.result is not None
         if "error" in check.result:
             return self._skip(check, f"the replay failed: {check.result['error']}")
+        if check.arbitration is not None:
+            return self._arbitrated(check, check.arbitration)
         try:
             theirs = self.state.replay_sum(check.rank)
         except StoreError as exc:
@@ -168,28 +222,136 @@ class ReplayChecks:
 
     def _verdict(self, check: _Pending, theirs: dict[str, Any], sums: dict[str, Any]) -> None:
         assert check.result is not None
-        mine = {str(k): int(v) for k, v in check.result["checksums"].items()}
-        rank_sums = {str(k): int(v) for k, v in sums.items()}
+        mine, rank_sums = _sums(check.result["checksums"]), _sums(sums)
         fields = {"step": check.step, "rank": check.rank, "node": theirs.get("node"), "verifier": self.node_id,
                   "replay_s": check.result.get("replay_s")}
         if mine == rank_sums:
+            self.verified[check.rank] = max(check.step, self.verified.get(check.rank, -1))
             self.events.emit("sdc.verified", units=len(mine), **fields)
+            return self._done(check)
+        suspect = {"units": _differ(mine, rank_sums), "checksums": rank_sums, "replayed": mine,
+                   "verified_step": self.verified.get(check.rank), **fields}
+        self._done(check, keep_input=True)  # the arbiter's spare replays the same input
+        return self._arbitrate(check, suspect)
+
+    # -- arbitration: the verifier's side ----------------------------------------------
+    def _arbitrate(self, check: _Pending, suspect: dict[str, Any]) -> None:
+        asked = _Asked(f"{check.tag}/{check.step}/{check.rank}", "", suspect, check.path,
+                       self.clock() + self.arbitrate_timeout_s)
+        try:
+            asked.arbiter = self._arbiter(str(suspect["node"])) or ""
+            if not asked.arbiter:
+                return self._judge_alone(asked, "no third node in the run to arbitrate")
+            self.state.put_arbitration(asked.arbiter, {"id": asked.id, "path": str(check.path), "tag": check.tag,
+                                                       **suspect})
+        except StoreError as exc:
+            return self._judge_alone(asked, f"asking for an arbiter: {exc}")
+        self.events.emit("sdc.mismatch", arbiter=asked.arbiter, **_brief(suspect))
+        self.asked[asked.id] = asked
+        return None
+
+    def _arbiter(self, checked: str) -> str | None:
+        """The first node after this one (in name order, wrapping) that is neither it nor the checked node."""
+        others = sorted(n for n in self.nodes() if n not in (checked, self.node_id))
+        return next((n for n in others if n > self.node_id), others[0] if others else None)
+
+    def _await_verdict(self, asked: _Asked, now: float, final: str = "") -> None:
+        """Read the arbiter's key: done when it judged; judge alone when it cannot, when another
+        request replaced this one, past the deadline, or (``final``: why) when waiting must end now."""
+        try:
+            record = self.state.arbitration(asked.arbiter) or {}
+        except StoreError:
+            record = {}  # etcd away: wait on, up to the deadline
+        verdict = record.get("verdict") if record.get("id") == asked.id else None
+        if verdict is not None and "skipped" not in verdict:
+            self.asked.pop(asked.id, None)
+            asked.path.unlink(missing_ok=True)  # judged by the arbiter
+        elif verdict is not None:
+            self._judge_alone(asked, f"{asked.arbiter} could not arbitrate: {verdict['skipped']}")
+        elif record and record.get("id") != asked.id:
+            self._judge_alone(asked, f"a later check's arbitration replaced this one on {asked.arbiter}")
+        elif now > asked.deadline:
+            self._judge_alone(asked, f"no verdict from {asked.arbiter} within {self.arbitrate_timeout_s:g}s")
+        elif final:
+            self._judge_alone(asked, final)
+
+    def _judge_alone(self, asked: _Asked, why: str) -> None:
+        """No arbiter's verdict: the checked rank is the suspect (a verifier wrong is the rarer case:
+        one GPU's replay against a rank's whole step), said to be unarbitrated and why."""
+        self.asked.pop(asked.id, None)
+        asked.path.unlink(missing_ok=True)
+        self._suspect({**asked.suspect, "role": "rank", "rollback": True, "arbitrated": False,
+                       "arbiter": asked.arbiter or None, "arbitration": why})
+
+    # -- arbitration: the arbiter's side -----------------------------------------------
+    def _take_request(self) -> None:
+        request = self.requests()
+        if request is None or request[0] <= self._request_seen:
+            return
+        self._request_seen, record = request
+        if "verdict" in record:
+            return  # this agent's own answer, seen back through the watch
+        check = _Pending(Path(str(record["path"])), int(record["step"]), int(record["rank"]), str(record.get("tag")),
+                         self.clock(), 0, arbitration=record)
+        if not check.path.exists():
+            return self._skip(check, f"the check's input {check.path} is not readable on {self.node_id} "
+                                     "(arbitration needs the run directory shared across nodes)")
+        self._send(check)
+
+    def _arbitrated(self, check: _Pending, record: dict[str, Any]) -> None:
+        assert check.result is not None
+        mine, rank_sums, first = _sums(check.result["checksums"]), _sums(record["checksums"]), _sums(record["replayed"])
+        fields = {**record, "arbiter": self.node_id, "arbitrated": True, "arbitrated_sums": mine}
+        fields.pop("id"), fields.pop("path"), fields.pop("tag", None)
+        if mine == first:
+            verdict = {**fields, "role": "rank", "rollback": True}
+        elif mine == rank_sums:
+            verdict = {**fields, "role": "verifier", "node": record["verifier"], "rollback": False,
+                       "units": _differ(mine, first)}
         else:
-            differ = sorted(u for u in set(mine) | set(rank_sums) if mine.get(u) != rank_sums.get(u))
-            suspect = {"source_check": "replay", "units": differ, "checksums": rank_sums, "replayed": mine, **fields}
-            self.events.emit("sdc.suspect", **suspect)
-            self.on_suspect(suspect)
+            verdict = {**fields, "role": None, "rollback": True, "count": False}
+        self._answer(record, {"suspect": verdict.get("node") if verdict["role"] else None, "role": verdict["role"]})
         self._done(check)
+        self._suspect(verdict)
+
+    def _answer(self, record: dict[str, Any], verdict: dict[str, Any]) -> None:
+        try:
+            self.state.put_arbitration(self.node_id, {**record, "verdict": verdict})
+        except StoreError as exc:  # the verifier's agent then judges alone at its deadline
+            self.events.emit("agent.store_error", op="arbitration", error=str(exc))
+
+    def _suspect(self, suspect: dict[str, Any]) -> None:
+        if suspect.get("role") is None:
+            self.events.emit("sdc.inconclusive", **_brief(suspect), arbiter=suspect.get("arbiter"))
+        else:
+            self.events.emit("sdc.suspect", source_check="replay", **suspect)
+        self.on_suspect(suspect)
 
     def _skip(self, check: _Pending, reason: str) -> None:
         self.events.emit("sdc.replay_skipped", step=check.step, rank=check.rank, verifier=self.node_id,
-                         reason=reason)
+                         reason=reason, **({"arbitration": True} if check.arbitration is not None else {}))
+        if check.arbitration is not None:
+            self._answer(check.arbitration, {"skipped": reason})
         self._done(check)
 
-    def _done(self, check: _Pending) -> None:
-        self.pending.pop(check.path, None)
-        for path in (check.path, result_path(check.path)):
-            path.unlink(missing_ok=True)  # the weights of one step: not kept once judged
+    def _done(self, check: _Pending, keep_input: bool = False) -> None:
+        self.pending.pop(check.key, None)
+        check.key.unlink(missing_ok=True)
+        if not (keep_input or check.arbitration is not None):
+            check.path.unlink(missing_ok=True)  # the weights of one step: not kept once judged (the
+            # verifier's agent removes an arbitrated input once the verdict is in)
+
+
+def _sums(checksums: dict[str, Any]) -> dict[str, int]:
+    return {str(k): int(v) for k, v in checksums.items()}
+
+
+def _differ(a: dict[str, int], b: dict[str, int]) -> list[str]:
+    return sorted(u for u in set(a) | set(b) if a.get(u) != b.get(u))
+
+
+def _brief(suspect: dict[str, Any]) -> dict[str, Any]:
+    return {k: suspect.get(k) for k in ("step", "rank", "node", "verifier", "units")}
 
 
 def _no_spare(request: dict[str, Any]) -> tuple[int | None, str]:

@@ -32,6 +32,16 @@ from elastic.control.runstate import RunState
 from elastic.control.signals import SignalWatch
 from elastic.control.store import StoreError
 
+def _sdc_detail(suspect: dict) -> str:
+    units = ", ".join(u or "<root>" for u in suspect.get("units") or [])
+    who = (f"{suspect.get('verifier')}'s spare replayed rank {suspect['rank']}'s step {suspect['step']} wrong"
+           if suspect.get("role") == "verifier" else f"replay of rank {suspect['rank']}'s step {suspect['step']} "
+           f"on {suspect.get('verifier')}'s spare disagrees")
+    how = (f"arbitrated by {suspect.get('arbiter')}" if suspect.get("arbitrated")
+           else f"not arbitrated: {suspect.get('arbitration')}")
+    return f"{who} in {units} ({how})"
+
+
 _SILENCE_KIND = {Silence.CULPRIT: FailureKind.HANG, Silence.VICTIM: FailureKind.STALL,
                  Silence.INIT: FailureKind.INIT_TIMEOUT}
 
@@ -56,6 +66,10 @@ class Supervisor:
         self.on_failure: Callable[[AttemptResult], bool] = lambda result: False
         self.screened = None  # the verdict of the node screen run inside the first worker
         self.screener_record = lambda report: None  # set by the agent: records that verdict
+        self.sdc_replay = False
+        """Replay verification runs: the run signals watch this node's arbitration key too."""
+        self.min_nodes: int | None = None
+        """An elastic run's minimum node count (``launch.nodes: MIN:MAX``); None: fixed size."""
         self.faults: RemoteFaults | None = None
         """Chaos faults delivered through etcd: fed this node's reports, polled every loop."""
         self.hangs = HangAttribution(node_id, metrics.run_dir, state, events,
@@ -88,6 +102,7 @@ class Supervisor:
         self.workers, self.on_failure = workers, on_failure
         self.replays.attach(workers)
         self.replays.on_suspect = lambda suspect: self.sdc_rollback(suspect, epoch)
+        self.replays.nodes = lambda: list(self.state.heartbeats(epoch))
         self.hangs.reset()
         self._numerics_step: int | None = None
         self.screened = None
@@ -102,7 +117,9 @@ class Supervisor:
         workers = self.workers
         self.signals = SignalWatch(self.state, self.node_id, idle_s=self.config.watch_idle_s,
                                    retry_s=self.config.epoch_poll_s,
-                                   on_fault=workers.heard_fault if workers is not None else None)
+                                   on_fault=workers.heard_fault if workers is not None else None,
+                                   arbitration=self.sdc_replay)
+        self.replays.requests = self.signals.arbitration_request
         return self.signals
 
     def _loop(self, attempt: TorchrunAttempt, epoch: int, stop_reason: Callable[[], str]) -> AttemptResult:
@@ -223,25 +240,63 @@ class Supervisor:
         return None
 
     def sdc_rollback(self, suspect: dict, epoch: int) -> None:
-        """A replay disagreed with a rank: every step from the suspect one on was trained on its
-        corrupted gradient (the reduce-scatter spread it to every rank).  The suspect node gets a
-        counted failure (the lemon policy excludes a node that does it again), the run records what
-        a resume must not trust (checkpoints of that step or later, committed in this epoch or
-        before), and the epoch moves on: every node restarts from the newest checkpoint before the corruption."""
+        """A replay verdict (:class:`~elastic.agent.replays.ReplayChecks`).  ``role`` ``rank``: the
+        checked rank computed wrong, and every step from it on was trained on its corrupted gradient
+        (the reduce-scatter spread it to every rank); ``verifier``: the verifying node's replay was
+        wrong (nothing to roll back); None: no two replays agreed (roll back, blame nobody).  The
+        suspect node gets a counted failure (the lemon policy excludes a node that does it again)
+        and, in a run that can shrink, is excluded at once; a rollback records what a resume must not
+        trust (checkpoints after the rank's last verified step, committed in this epoch or before)
+        and moves the epoch on: every node restarts from the newest checkpoint before the corruption,
+        the suspect re-screened first (:meth:`NodeAgent._sdc_rescreen`)."""
         node, step = str(suspect["node"]), int(suspect["step"])
-        detail = (f"replay of rank {suspect['rank']}'s step {step} on {self.node_id}'s spare disagrees in "
-                  f"{', '.join(u or '<root>' for u in suspect['units'])}")
+        detail = _sdc_detail(suspect)
+        if suspect.get("role") is not None:
+            self._sdc_fault(node, detail, step, epoch)
+        if suspect.get("rollback", True) and not self._record_rollback(suspect, epoch):
+            return  # etcd unreachable: the next check that sees it suspects again
+        if suspect.get("role") is not None:
+            self._sdc_exclude(node, detail, epoch)
+        if suspect.get("rollback", True):
+            self.records.quietly("bump_epoch", lambda: self.scope.bump(epoch))
+
+    def _sdc_fault(self, node: str, detail: str, step: int, epoch: int) -> None:
         self.records.quietly("record_failure", lambda: self.state.record_failure(node, "sdc", epoch))
         if self.records.quietly("record_fault", lambda: self.state.record_fault(
                 epoch, node, {"kind": "sdc", "detail": detail, "step": step, "by": self.node_id})):
             self.events.emit("run.fault", epoch=epoch, node=node, failure_kind="sdc", detail=detail, step=step,
                              by=self.node_id)
+
+    def _record_rollback(self, suspect: dict, epoch: int) -> bool:
+        step, verified = int(suspect["step"]), suspect.get("verified_step")
+        from_step = int(verified) + 1 if verified is not None and int(verified) < step else step
         record = self.records.quietly("sdc_rollback", lambda: self.state.record_sdc_rollback(
-            step, epoch, node, int(suspect["rank"]), self.node_id))
+            from_step, epoch, str(suspect["node"]), int(suspect["rank"]), self.node_id,
+            rescreen=suspect.get("role") == "rank"))
         if record is None:
-            return  # etcd unreachable: the next check that sees it suspects again
-        self.events.emit("sdc.rollback", from_step=record["from_step"], node=node, rank=suspect["rank"], epoch=epoch)
-        self.records.quietly("bump_epoch", lambda: self.scope.bump(epoch))
+            return False
+        self.events.emit("sdc.rollback", from_step=record["from_step"], detected_step=step, verified_step=verified,
+                         node=suspect["node"], rank=suspect["rank"], epoch=epoch)
+        return True
+
+    def _sdc_exclude(self, node: str, detail: str, epoch: int) -> None:
+        """In an elastic run with a node to spare: the suspect leaves now (it sees its exclusion
+        and goes; the others re-form without it).  A fixed-size run cannot train without it: it
+        re-screens at the restart instead (and the lemon policy excludes a repeat offender)."""
+        low = self.min_nodes
+        if low is None:
+            return
+        nodes = self.records.quietly("heartbeats", lambda: self.state.heartbeats(epoch)) or {}
+        if len(set(nodes) - {node}) < low:
+            self.events.emit("sdc.kept", node=node, reason=f"the run needs {low} nodes and has {len(nodes)}")
+            return
+        ttl_s = self.config.failure.exclusion_ttl_s
+        def exclude() -> bool:
+            self.state.exclusions.add(node, f"sdc: {detail}", ttl_s=ttl_s, by=f"sdc/{self.node_id}")
+            return True
+
+        if self.records.quietly("exclude", exclude):
+            self.events.emit("sdc.excluded", node=node, ttl_s=ttl_s, epoch=epoch)
 
     def _replace_hung(self, detail: str) -> bool:
         """In-process: the hung rank's process is killed and its slot goes to the spare like any

@@ -202,6 +202,10 @@ class RunKeys:
     def replay_sum(self, rank: int) -> str:
         return self._k("sdc", "sums", str(rank))
 
+    def sdc_arbitrate(self, node_id: str) -> str:
+        """The newest arbitration asked of this node's spare (a watched signal of its agent)."""
+        return self._k("sdc", "arbitrate", node_id)
+
     # -- chaos: faults delivered through etcd to a node's agent ----------------
     def chaos_request(self, node_id: str, request_id: str) -> str:
         return self._k("chaos", "requests", node_id, request_id)

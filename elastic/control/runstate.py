@@ -144,16 +144,20 @@ class RunState:
         """What a running agent acts on (:mod:`elastic.control.signals` keeps it current)."""
         return self.signals_of(*self.signal_records(node_id)[0])
 
-    def signal_keys(self, node_id: str, pushed_fault: bool = False) -> list[str]:
+    def signal_keys(self, node_id: str, pushed_fault: bool = False, arbitration: bool = False) -> list[str]:
         """The records behind :meth:`signals`: the epoch, this node's exclusion, the stop (and, for
-        an agent with in-process workers, the newest pushed fault)."""
+        an agent with in-process workers, the newest pushed fault; with replay verification, the
+        newest arbitration asked of this node)."""
         keys = [self.keys.epoch, self.keys.excluded(node_id), self.keys.stop]
-        return [*keys, self.keys.pushed_fault] if pushed_fault else keys
+        keys += [self.keys.pushed_fault] if pushed_fault else []
+        return [*keys, self.keys.sdc_arbitrate(node_id)] if arbitration else keys
 
-    def signal_records(self, node_id: str, pushed_fault: bool = False) -> tuple[list[KeyValue | None], int]:
+    def signal_records(self, node_id: str, pushed_fault: bool = False,
+                       arbitration: bool = False) -> tuple[list[KeyValue | None], int]:
         """The :meth:`signal_keys` records and the revision they were read at, in one read-only
         transaction (a linearizable read, not a raft proposal; three reads were three requests)."""
-        result = self.store.txn(Txn(success=[Get(key) for key in self.signal_keys(node_id, pushed_fault)]))
+        keys = self.signal_keys(node_id, pushed_fault, arbitration)
+        result = self.store.txn(Txn(success=[Get(key) for key in keys]))
         return list(result.results), result.revision
 
     def signals_of(self, epoch: KeyValue | None, excluded: KeyValue | None, stop: KeyValue | None) -> RunSignals:
@@ -283,13 +287,21 @@ class RunState:
     def replay_sum(self, rank: int) -> dict[str, Any] | None:
         return self._record(self.keys.replay_sum(rank))
 
-    def record_sdc_rollback(self, from_step: int, epoch: int, node: str, rank: int, by: str) -> dict[str, Any]:
+    def put_arbitration(self, node_id: str, record: dict[str, Any]) -> None:
+        self._put(self.keys.sdc_arbitrate(node_id), record)
+
+    def arbitration(self, node_id: str) -> dict[str, Any] | None:
+        return self._record(self.keys.sdc_arbitrate(node_id))
+
+    def record_sdc_rollback(self, from_step: int, epoch: int, node: str, rank: int, by: str,
+                            rescreen: bool = False) -> dict[str, Any]:
         """A silent corruption at ``from_step``, found in ``epoch``: what a resume must not trust
-        (merged with an earlier record: the lower step, the later epoch).  Returns the record now in force."""
+        (merged with an earlier record: the lower step, the later epoch).  ``rescreen``: ``node``
+        screens itself before it trains again.  Returns the record now in force."""
         old = self.sdc_rollback() or {}
         record = {"from_step": min(from_step, int(old.get("from_step", from_step))),
                   "epoch": max(epoch, int(old.get("epoch", epoch))), "ts": self.clock(),
-                  "node": node, "rank": rank, "by": by}
+                  "node": node, "rank": rank, "by": by, "rescreen": rescreen}
         self._put(self.keys.sdc_rollback, record)
         return record
 

@@ -36,13 +36,14 @@ class SignalWatch:
 
     def __init__(self, state: RunState, node_id: str, idle_s: float = 30.0, retry_s: float = 0.25,
                  clock: Callable[[], float] = time.monotonic,
-                 on_fault: Callable[[dict[str, Any]], None] | None = None) -> None:
+                 on_fault: Callable[[dict[str, Any]], None] | None = None, arbitration: bool = False) -> None:
         self.state = state
         self.node_id = node_id
+        self.arbitration = arbitration
         self.idle_s = idle_s
         self.retry_s = retry_s
         self.clock = clock
-        self.keys = state.signal_keys(node_id, pushed_fault=on_fault is not None)
+        self.keys = state.signal_keys(node_id, pushed_fault=on_fault is not None, arbitration=arbitration)
         self._records: dict[str, KeyValue | None] = dict.fromkeys(self.keys)
         self._stream: _Stream | None = None
         self._next_start = 0.0
@@ -65,9 +66,17 @@ class SignalWatch:
         epoch, excluded, stop = (self._records[k] for k in self.keys[:3])
         return self.state.signals_of(epoch, excluded, stop)  # an exclusion's expiry is judged now
 
+    def arbitration_request(self) -> tuple[int, dict[str, Any]] | None:
+        """The newest arbitration asked of this node (replay verification): (its revision, the
+        record), as of the last :meth:`current`; None when there is none or it is not watched."""
+        record = self._records.get(self.state.keys.sdc_arbitrate(self.node_id)) if self.arbitration else None
+        value = decode(record) if record is not None else None
+        return (record.mod_revision, value) if record is not None and value else None
+
     def _start(self) -> None:
         self._next_start = self.clock() + self.retry_s
-        records, revision = self.state.signal_records(self.node_id, pushed_fault=self.on_fault is not None)
+        records, revision = self.state.signal_records(self.node_id, pushed_fault=self.on_fault is not None,
+                                                      arbitration=self.arbitration)
         for key, record in zip(self.keys, records):
             self._set(key, record)
         self._stream = self.state.store.watch_keys(self.keys, revision + 1, idle_s=self.idle_s)  # type: ignore[attr-defined]

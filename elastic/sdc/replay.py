@@ -244,9 +244,11 @@ def load_record(path: Path) -> dict[str, Any]:
     return torch.load(path, weights_only=True)
 
 
-def replay(path: Path, gradients: Callable[[dict[str, Any]], dict[str, torch.Tensor | None]]) -> Replayed:
+def replay(path: Path, gradients: Callable[[dict[str, Any]], dict[str, torch.Tensor | None]],
+           corrupt: Callable[[int, dict[str, torch.Tensor | None]], None] | None = None) -> Replayed:
     """The spare's side: the target rank's gradients recomputed by the trainer's ``gradients``
-    (weights and inputs from the record), laid out and checksummed as the rank's FSDP did."""
+    (weights and inputs from the record), laid out and checksummed as the rank's FSDP did.
+    ``corrupt(step, gradients)``: the chaos fault ``sdc`` at ``replay`` (a verifier that computes wrong)."""
     import time
 
     t0 = time.monotonic()
@@ -257,5 +259,7 @@ def replay(path: Path, gradients: Callable[[dict[str, Any]], dict[str, torch.Ten
         grads = gradients(record)
     finally:
         torch.set_num_threads(threads)
+    if corrupt is not None:
+        corrupt(int(record["step"]), grads)
     sums = unit_checksums(grads, record["units"], int(record["world"]), getattr(torch, record["reduce_dtype"]))
     return Replayed(int(record["step"]), int(record["rank"]), sums, round(time.monotonic() - t0, 3))

@@ -5,8 +5,8 @@
 The node agent starts one per node once training runs.  It imports torch and the trainer module
 (what costs seconds at a cold start), then blocks on a line of JSON on stdin.  A line
 ``{"verify": PATH}`` asks it to replay a check of replay verification (:mod:`elastic.sdc.replay`;
-the trainer module names where its ``replay_gradients`` lives in ``REPLAY_MODULE``), after which
-it waits again; any other line is the environment of the slot it takes (``LOCAL_RANK``, the agent's ``ELASTIC_*`` variables, ``ELASTIC_JOIN_GEN``: the
+the trainer module names where its ``replay_gradients`` lives in ``REPLAY_MODULE``; ``"arbiter":
+true``: a second replay of a check whose first replay disagreed), after which it waits again; any other line is the environment of the slot it takes (``LOCAL_RANK``, the agent's ``ELASTIC_*`` variables, ``ELASTIC_JOIN_GEN``: the
 generation to join).  It then runs the trainer's ``main`` exactly as torchrun would, and the
 worker session joins the world in-process (:mod:`elastic.worker.inprocess`).  End of input
 without an assignment means the agent no longer needs it: it exits 0.
@@ -54,26 +54,48 @@ def main(argv: list[str] | None = None) -> int:
         assignment = json.loads(line)
         if "verify" not in assignment:
             break
-        verify(module, args[2:], Path(assignment["verify"]))
+        verify(module, args[2:], Path(assignment["verify"]), arbiter=bool(assignment.get("arbiter")))
     os.environ.update({str(k): str(v) for k, v in assignment["env"].items()})
     print(json.dumps({"spare": "assigned", "slot": assignment.get("slot"), "gen": assignment["env"].get("ELASTIC_JOIN_GEN"),
                       "wait_s": round(time.monotonic() - t0, 3)}), flush=True)
     return int(module.main(args[2:]) or 0)
 
 
-def verify(module: ModuleType, argv: list[str], path: Path) -> None:
+def verify(module: ModuleType, argv: list[str], path: Path, arbiter: bool = False) -> None:
     """Replay one check (``sdc.replay_every``) and leave the result beside its input for the agent:
-    ``<input>.replayed.json`` (checksums, or the error that stopped the replay)."""
+    ``<input>.replayed.json`` (``.arbitrated.json`` for an arbiter): checksums, or the error that
+    stopped the replay."""
     from elastic.sdc.replay import replay
     from elastic.sdc.results import write_result
 
     try:
         replay_module = importlib.import_module(getattr(module, "REPLAY_MODULE", module.__name__))
-        result = replay(path, lambda record: replay_module.replay_gradients(argv, record)).record()
+        result = replay(path, lambda record: replay_module.replay_gradients(argv, record),
+                        corrupt=_replay_flip(path)).record()
     except Exception as exc:  # noqa: BLE001 - any failure is the check's result, never the spare's end
         result = {"error": f"{type(exc).__name__}: {exc}"}
-    write_result(path, result)
-    print(json.dumps({"spare": "verified", "path": str(path), **result}), flush=True)
+    write_result(path, result, arbiter)
+    print(json.dumps({"spare": "verified", "path": str(path), "arbiter": arbiter, **result}), flush=True)
+
+
+def _replay_flip(path: Path):  # noqa: ANN202 - torch types stay out of this module's import
+    """The chaos fault ``sdc`` at ``replay``: this node's spare computes one replay wrong (a verifier
+    on a bad GPU), so the arbitration has to clear the checked rank.  The fault files live in the
+    run directory the check's input is in (``<run>/sdc/<input>``)."""
+    from elastic.sdc.flip import flip_bit
+    from elastic.worker.faults import FaultHooks
+
+    hooks = FaultHooks(path.parent.parent, rank=-1)
+
+    def corrupt(step: int, grads: dict) -> None:
+        fault = hooks.sdc(step, at="replay")
+        if fault is None:
+            return
+        name, grad = next((n, g) for n, g in grads.items() if g is not None and g.numel())
+        flip = flip_bit(grad, int(grad.detach().view(-1).abs().argmax()))
+        hooks.sdc_fired(fault, step, {**flip.record(), "param": name, "at": "replay"})
+
+    return corrupt
 
 
 def _warm(t0: float, module: ModuleType, argv: list[str]) -> None:
