@@ -138,3 +138,22 @@ def test_the_watch_moves_to_another_member_and_resumes(tmp_path, member):
             assert watch.restarts == 0
     finally:
         cluster.close()
+
+
+@pytest.mark.parametrize("node", ["node0", "node3"])
+def test_an_arbitration_asked_of_this_node_arrives_over_the_same_stream(etcd_server, node):
+    """Replay verification: another node's agent puts a check in ``sdc/arbitrate/<node>``; this
+    node's signal watch hands it over with its revision, next to the pushed fault."""
+    store = EtcdStore(etcd_server.endpoint, request_timeout=2.0, retry_deadline=5.0)
+    writer = RunState(EtcdStore(etcd_server.endpoint, request_timeout=2.0, retry_deadline=5.0), KEYS)
+    with SignalWatch(RunState(store, KEYS), node, on_fault=lambda fault: None, arbitration=True) as watch:
+        watch.current()
+        assert watch.arbitration_request() is None
+        writer.put_arbitration("node9", {"id": "other node's"})
+        writer.put_arbitration(node, {"id": "0.0/110/2", "path": "/run/sdc/x.pt"})
+        deadline = time.monotonic() + 5
+        while watch.arbitration_request() is None and time.monotonic() < deadline:
+            watch.current()
+            time.sleep(0.02)
+        revision, record = watch.arbitration_request()
+        assert record["id"] == "0.0/110/2" and revision > 0

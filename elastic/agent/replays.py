@@ -77,6 +77,8 @@ class _Asked:
     path: Path
     deadline: float
     next_read: float = 0.0
+    nudge_at: float = 0.0
+    nudges: int = 0
 
 
 class ReplayChecks:
@@ -84,9 +86,15 @@ class ReplayChecks:
 
     KEEP = 4
     """Checks of a rank kept in its etcd record: a replay may answer after the rank's next checks."""
+    NUDGE_S = 2.0
+    """An arbiter silent this long is asked again (the same request, a new revision: its watch hands
+    it over again), twice at most.  Measured (``benchmarks/sdc.py``, 20 runs): the arbiter's watch
+    handed the request over 1.1, 3.6 and 5.1 s late three times and never once (its loop and spare
+    were idle; ``sdc.arbitrating`` says ``heard_after_s``); the cause was not found.  A second put is
+    one raft write; the deadline still ends the wait when the watch stays silent."""
 
     def __init__(self, node_id: str, state: RunState, events: EventLog, timeout_s: float = 120.0,
-                 queue: int = 2, clock: Callable[[], float] = time.monotonic, arbitrate_timeout_s: float = 30.0) -> None:
+                 queue: int = 2, clock: Callable[[], float] = time.monotonic, arbitrate_timeout_s: float = 10.0) -> None:
         self.node_id = node_id
         self.arbitrate_timeout_s = arbitrate_timeout_s
         self.queue = queue
@@ -113,6 +121,9 @@ class ReplayChecks:
         self.requests: Callable[[], tuple[int, dict[str, Any]] | None] = lambda: None
         """The newest arbitration asked of this node: (revision, record), from the run signals' watch."""
         self._request_seen = 0
+        self._taken: set[str] = set()  # arbitrations this agent took (a nudge repeats one: not replayed twice)
+        self.heard: Callable[[], float] = lambda: 0.0
+        """When the run signals' watch delivered the newest arbitration (wall clock)."""
         self.asked: dict[str, _Asked] = {}
         self.verified: dict[int, int] = {}
         """Rank -> the last step whose replay agreed with it (the checks this agent verified)."""
@@ -234,16 +245,30 @@ class ReplayChecks:
         self._done(check, keep_input=True)  # the arbiter's spare replays the same input
         return self._arbitrate(check, suspect)
 
+    # -- the end of the run ------------------------------------------------------------
+    def busy(self) -> bool:
+        """Checks or arbitrations still waiting for an answer."""
+        return bool(self.pending or self.asked or self.held)
+
+    def end_of_run(self) -> None:
+        """The run ended: what is still unanswered is said, never dropped in silence."""
+        for check in [*self.pending.values(), *([self.held] if self.held else [])]:
+            self._skip(check, "the run ended before the replay answered")
+        self.held = None
+        for asked in list(self.asked.values()):
+            self._await_verdict(asked, self.clock(), final=f"the run ended before {asked.arbiter} answered")
+
     # -- arbitration: the verifier's side ----------------------------------------------
     def _arbitrate(self, check: _Pending, suspect: dict[str, Any]) -> None:
+        now = self.clock()
         asked = _Asked(f"{check.tag}/{check.step}/{check.rank}", "", suspect, check.path,
-                       self.clock() + self.arbitrate_timeout_s)
+                       now + self.arbitrate_timeout_s, nudge_at=now + self.NUDGE_S)
         try:
             asked.arbiter = self._arbiter(str(suspect["node"])) or ""
             if not asked.arbiter:
                 return self._judge_alone(asked, "no third node in the run to arbitrate")
             self.state.put_arbitration(asked.arbiter, {"id": asked.id, "path": str(check.path), "tag": check.tag,
-                                                       **suspect})
+                                                       "asked_ts": time.time(), **suspect})
         except StoreError as exc:
             return self._judge_alone(asked, f"asking for an arbiter: {exc}")
         self.events.emit("sdc.mismatch", arbiter=asked.arbiter, **_brief(suspect))
@@ -259,10 +284,13 @@ class ReplayChecks:
         """Read the arbiter's key: done when it judged; judge alone when it cannot, when another
         request replaced this one, past the deadline, or (``final``: why) when waiting must end now."""
         try:
-            record = self.state.arbitration(asked.arbiter) or {}
+            record, revision = self.state.arbitration_at(asked.arbiter)
         except StoreError:
-            record = {}  # etcd away: wait on, up to the deadline
+            record, revision = {}, 0  # etcd away: wait on, up to the deadline
         verdict = record.get("verdict") if record.get("id") == asked.id else None
+        if verdict is None and record.get("id") == asked.id and now >= asked.nudge_at and asked.nudges < 2 \
+                and not final and now <= asked.deadline:
+            return self._nudge(asked, record, revision, now)
         if verdict is not None and "skipped" not in verdict:
             self.asked.pop(asked.id, None)
             asked.path.unlink(missing_ok=True)  # judged by the arbiter
@@ -274,6 +302,13 @@ class ReplayChecks:
             self._judge_alone(asked, f"no verdict from {asked.arbiter} within {self.arbitrate_timeout_s:g}s")
         elif final:
             self._judge_alone(asked, final)
+
+    def _nudge(self, asked: _Asked, record: dict[str, Any], revision: int, now: float) -> None:
+        asked.nudges, asked.nudge_at = asked.nudges + 1, now + self.NUDGE_S
+        try:  # only over the unanswered request: a verdict written meanwhile stays
+            self.state.nudge_arbitration(asked.arbiter, {**record, "nudge": asked.nudges}, revision)
+        except StoreError as exc:
+            self.events.emit("agent.store_error", op="arbitration", error=str(exc))
 
     def _judge_alone(self, asked: _Asked, why: str) -> None:
         """No arbiter's verdict: the checked rank is the suspect (a verifier wrong is the rarer case:
@@ -289,10 +324,15 @@ class ReplayChecks:
         if request is None or request[0] <= self._request_seen:
             return
         self._request_seen, record = request
-        if "verdict" in record:
-            return  # this agent's own answer, seen back through the watch
+        if "verdict" in record or str(record.get("id")) in self._taken:
+            return  # this agent's own answer seen back through the watch, or a nudge of one it took
+        self._taken.add(str(record.get("id")))
         check = _Pending(Path(str(record["path"])), int(record["step"]), int(record["rank"]), str(record.get("tag")),
                          self.clock(), 0, arbitration=record)
+        self.events.emit("sdc.arbitrating", step=check.step, rank=check.rank, node=record.get("node"),
+                         verifier=record.get("verifier"), revision=request[0],
+                         since_asked_s=round(time.time() - float(record.get("asked_ts") or time.time()), 3),
+                         heard_after_s=round(self.heard() - float(record.get("asked_ts") or 0.0), 3))
         if not check.path.exists():
             return self._skip(check, f"the check's input {check.path} is not readable on {self.node_id} "
                                      "(arbitration needs the run directory shared across nodes)")
@@ -302,7 +342,8 @@ class ReplayChecks:
         assert check.result is not None
         mine, rank_sums, first = _sums(check.result["checksums"]), _sums(record["checksums"]), _sums(record["replayed"])
         fields = {**record, "arbiter": self.node_id, "arbitrated": True, "arbitrated_sums": mine}
-        fields.pop("id"), fields.pop("path"), fields.pop("tag", None)
+        for name in ("id", "path", "tag", "asked_ts"):
+            fields.pop(name, None)
         if mine == first:
             verdict = {**fields, "role": "rank", "rollback": True}
         elif mine == rank_sums:

@@ -11,6 +11,8 @@ Whatever ends the attempt comes back as one :class:`~elastic.agent.attempt.Attem
 
 from __future__ import annotations
 
+import contextlib
+
 import threading
 import time
 from collections.abc import Callable
@@ -66,6 +68,8 @@ class Supervisor:
         self.on_failure: Callable[[AttemptResult], bool] = lambda result: False
         self.screened = None  # the verdict of the node screen run inside the first worker
         self.screener_record = lambda report: None  # set by the agent: records that verdict
+        self.run_ended = False
+        """The workers finished the run: a late replay verdict can no longer roll it back."""
         self.sdc_replay = False
         """Replay verification runs: the run signals watch this node's arbitration key too."""
         self.min_nodes: int | None = None
@@ -109,7 +113,25 @@ class Supervisor:
         if self.faults is not None:
             self.faults.attach(attempt.proc.pid if attempt.proc else None, epoch)
         with self.open_signals():
-            return self._loop(attempt, epoch, stop_reason)
+            result = self._loop(attempt, epoch, stop_reason)
+            if result.outcome == Outcome.SUCCEEDED:
+                self._settle_checks()
+            return result
+
+    def _settle_checks(self, limit_s: float = 15.0) -> None:
+        """The run's last checks are replayed after its workers finished: wait for their answers
+        (and arbitrations) a bounded while, so a flip on the last checked steps is said, not dropped
+        with the node's exit.  A suspect found now cannot roll back a finished run: it is recorded
+        as the run's fault (the summary lists it) with the step to resume from."""
+        self.run_ended = True
+        deadline = time.monotonic() + limit_s
+        while self.replays.busy() and time.monotonic() < deadline:
+            if self.signals is not None:
+                with contextlib.suppress(StoreError):
+                    self.signals.current()  # an arbitration asked of this node arrives here
+            self.replays.poll()
+            time.sleep(0.1)
+        self.replays.end_of_run()
 
     def open_signals(self) -> SignalWatch:
         """The run-wide signals for the attempt about to be watched: one stream, read and opened on
@@ -120,6 +142,7 @@ class Supervisor:
                                    on_fault=workers.heard_fault if workers is not None else None,
                                    arbitration=self.sdc_replay)
         self.replays.requests = self.signals.arbitration_request
+        self.replays.heard = lambda: self.signals.heard_ts if self.signals is not None else 0.0
         return self.signals
 
     def _loop(self, attempt: TorchrunAttempt, epoch: int, stop_reason: Callable[[], str]) -> AttemptResult:
@@ -250,6 +273,11 @@ class Supervisor:
         and moves the epoch on: every node restarts from the newest checkpoint before the corruption,
         the suspect re-screened first (:meth:`NodeAgent._sdc_rescreen`)."""
         node, step = str(suspect["node"]), int(suspect["step"])
+        if self.run_ended and suspect.get("rollback", True):
+            suspect = {**suspect, "rollback": False}  # nothing trains any more: say what to resume from
+            self.events.emit("sdc.after_end", node=node, step=step, verified_step=suspect.get("verified_step"),
+                             detail="the run had finished: its final weights hold the corruption; resume from a "
+                                    f"checkpoint at or before step {suspect.get('verified_step') or step - 1}")
         detail = _sdc_detail(suspect)
         if suspect.get("role") is not None:
             self._sdc_fault(node, detail, step, epoch)

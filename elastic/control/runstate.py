@@ -293,6 +293,17 @@ class RunState:
     def arbitration(self, node_id: str) -> dict[str, Any] | None:
         return self._record(self.keys.sdc_arbitrate(node_id))
 
+    def arbitration_at(self, node_id: str) -> tuple[dict[str, Any], int]:
+        """The arbitration record asked of ``node_id`` and its revision (({}, 0) when there is none)."""
+        kv = self.store.get(self.keys.sdc_arbitrate(node_id))
+        return (decode(kv) or {}, kv.mod_revision) if kv is not None else ({}, 0)
+
+    def nudge_arbitration(self, node_id: str, record: dict[str, Any], revision: int) -> bool:
+        """Put ``record`` again only if the key is still at ``revision`` (unanswered): a new event
+        for the arbiter's watch.  True if it was put."""
+        ok, _ = self.store.compare_and_swap(self.keys.sdc_arbitrate(node_id), json.dumps(record, default=str), revision)
+        return ok
+
     def record_sdc_rollback(self, from_step: int, epoch: int, node: str, rank: int, by: str,
                             rescreen: bool = False) -> dict[str, Any]:
         """A silent corruption at ``from_step``, found in ``epoch``: what a resume must not trust

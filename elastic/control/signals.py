@@ -40,6 +40,7 @@ class SignalWatch:
         self.state = state
         self.node_id = node_id
         self.arbitration = arbitration
+        self.heard_ts = 0.0
         self.idle_s = idle_s
         self.retry_s = retry_s
         self.clock = clock
@@ -119,6 +120,8 @@ class SignalWatch:
 
     def _set(self, key: str, record: KeyValue | None) -> None:
         self._records[key] = record
+        if record is not None and self.arbitration and key == self.keys[-1]:
+            self.heard_ts = time.time()  # when the watch delivered the newest arbitration (its event says)
         if key == self.state.keys.pushed_fault and record is not None and self.on_fault is not None:
             with self._lock:
                 if record.mod_revision <= self._fault_revision:
