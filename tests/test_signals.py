@@ -157,3 +157,29 @@ def test_an_arbitration_asked_of_this_node_arrives_over_the_same_stream(etcd_ser
             time.sleep(0.02)
         revision, record = watch.arbitration_request()
         assert record["id"] == "0.0/110/2" and revision > 0
+
+
+def test_after_a_broken_stream_pushed_faults_still_arrive_without_a_look_and_old_events_are_ignored():
+    """A stream that failed for good used to close the whole watch: the fault pump ended with it,
+    and pushed faults then waited for the supervisor's next look."""
+    store = MemoryStore()
+    state = RunState(store, KEYS)
+    heard: list[dict] = []
+    watch = SignalWatch(state, "n1", on_fault=heard.append, retry_s=0.0)
+    watch.current()
+    watch._stream.close()
+    watch._stream = BrokenStream()
+    watch.current()  # the broken stream is replaced: a read, a new stream
+    assert watch.restarts == 1
+    state.push_fault({"node": "n2", "gen": 3})
+    deadline = time.monotonic() + 3
+    while not heard and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert heard and heard[0]["gen"] == 3
+    # An event older than what the restart read (from the old stream) changes nothing.
+    state.bump_epoch(0)
+    assert watch.current().epoch == 1
+    from elastic.control.store import WatchEvent
+    watch._apply(WatchEvent(KEYS.epoch, b"0", 1))
+    assert watch.current().epoch == 1
+    watch.close()

@@ -56,6 +56,7 @@ class SignalWatch:
         self._closed = False
         self._pump: threading.Thread | None = None
         self._lock = threading.Lock()
+        self._applied: dict[str, int] = {}  # key -> the revision its record is as of
 
     def current(self) -> RunSignals:
         """The signals now.  Reads etcd only to (re)start the stream; raises StoreError when that
@@ -79,6 +80,7 @@ class SignalWatch:
         records, revision = self.state.signal_records(self.node_id, pushed_fault=self.on_fault is not None,
                                                       arbitration=self.arbitration)
         for key, record in zip(self.keys, records):
+            self._applied[key] = revision
             self._set(key, record)
         self._stream = self.state.store.watch_keys(self.keys, revision + 1, idle_s=self.idle_s)  # type: ignore[attr-defined]
         if self.on_fault is not None and self._pump is None:
@@ -107,16 +109,20 @@ class SignalWatch:
                 for event in batch:
                     self._apply(event)
         except Exception:  # noqa: BLE001 - compacted or broken for good: read again, watch anew
-            self.close()
+            self._drop_stream()  # not close(): that ends the fault pump for good (it did, until 2026-12)
             self.restarts += 1
             if self.clock() >= self._next_start:
                 self._start()
                 self._drain()
 
     def _apply(self, event: WatchEvent) -> None:
-        if event.key in self._records:
-            self._set(event.key, KeyValue(event.key, event.value, event.mod_revision, 0, 0, 0)
-                      if event.value is not None else None)
+        """One event, unless the record it changes is already as new (the pump may apply a batch of
+        the old stream after a restart read the records afresh)."""
+        if event.key not in self._records or event.mod_revision <= self._applied.get(event.key, 0):
+            return
+        self._applied[event.key] = event.mod_revision
+        self._set(event.key, KeyValue(event.key, event.value, event.mod_revision, 0, 0, 0)
+                  if event.value is not None else None)
 
     def _set(self, key: str, record: KeyValue | None) -> None:
         self._records[key] = record
@@ -133,6 +139,9 @@ class SignalWatch:
 
     def close(self) -> None:
         self._closed = True
+        self._drop_stream()
+
+    def _drop_stream(self) -> None:
         stream, self._stream = self._stream, None
         if stream is not None:
             stream.close()
