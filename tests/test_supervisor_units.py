@@ -284,3 +284,21 @@ def test_a_peer_lost_in_the_final_collectives_is_a_failed_recovery_not_this_rank
     assert isinstance(out, RecoveryFailed) and out.code == EXIT_RECOVERY_FAILED and "step 120" in str(out)
     bug = ValueError("a bug of this rank")
     assert _final_peer_lost(bug, 120) is bug
+
+
+def test_a_spare_that_took_a_slot_leaves_without_interpreter_teardown(tmp_path, subprocess_env):
+    """Measured once in a full suite: a spare that had joined in-process generations aborted in C++
+    teardown at exit (SIGABRT after the run's final step), and its agent counted a crash.  It now
+    leaves as torchrun's workers do: exit code kept, no atexit handler (no teardown) run."""
+    (tmp_path / "fake_trainer.py").write_text(
+        "import atexit, pathlib, sys\n"
+        "def main(argv):\n"
+        "    atexit.register(lambda: pathlib.Path(argv[0]).write_text('teardown ran'))\n"
+        "    return 3\n")
+    marker = tmp_path / "teardown"
+    env = {**subprocess_env, "PYTHONPATH": f"{tmp_path}:{subprocess_env['PYTHONPATH']}"}
+    proc = subprocess.run([sys.executable, "-m", "elastic.worker.spare", "-m", "fake_trainer", str(marker)],
+                          input=json.dumps({"slot": 0, "env": {}}) + "\n", capture_output=True, text=True,
+                          env=env, timeout=120)
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert '"spare": "assigned"' in proc.stdout and not marker.exists()

@@ -58,7 +58,16 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.update({str(k): str(v) for k, v in assignment["env"].items()})
     print(json.dumps({"spare": "assigned", "slot": assignment.get("slot"), "gen": assignment["env"].get("ELASTIC_JOIN_GEN"),
                       "wait_s": round(time.monotonic() - t0, 3)}), flush=True)
-    return int(module.main(args[2:]) or 0)
+    code = int(module.main(args[2:]) or 0)
+    # Leave as a torchrun-started worker does (session.exit_process), never through interpreter
+    # teardown: a spare that took a slot holds the process groups of every generation it joined,
+    # and their C++ threads' destructors aborted one at exit ("terminate called without an active
+    # exception", SIGABRT after the run's final step): its agent counted a crash, replaced it, and
+    # the lemon policy excluded a healthy node (tests/test_inprocess_e2e.py, once in a full run).
+    from elastic.worker.session import exit_process
+
+    exit_process(code)
+    return code  # not reached
 
 
 def verify(module: ModuleType, argv: list[str], path: Path, arbiter: bool = False) -> None:
