@@ -440,6 +440,13 @@ class RoundBoard:
             self._values = {k: v for k, v in self._values.items() if k[0] == key[0] and k[1] > newest - self.KEEP}
             self._cond.notify_all()
 
+    def _left_out(self, epoch: int, gen: int, fault: dict[str, Any]) -> bool:
+        """The fault is the loss of a node that generation ``gen``'s plan already formed without (it
+        was pushed for ``gen`` while the node might still have joined it): it breaks nothing there."""
+        answer = self._values.get((epoch, gen, "plan")) or {}
+        plan = (answer.get("value") or {}).get("plan") or {} if answer.get("ok") else {}
+        return fault.get("kind") == "node_lost" and fault.get("node") in {*plan.get("lost", []), *plan.get("gone", [])}
+
     def post_fault(self, epoch: int, record: dict[str, Any]) -> bool:
         """A fault in generation ``record["gen"]`` (pushed: a worker died, a node was lost, a rank
         hung); False when a fault of that generation or a newer one is already posted."""
@@ -472,7 +479,7 @@ class RoundBoard:
         with self._cond:
             while (epoch, gen, name) not in self._values:
                 fault = self._faults.get(epoch)
-                if fault is not None and int(fault["gen"]) >= gen:
+                if fault is not None and int(fault["gen"]) >= gen and not self._left_out(epoch, gen, fault):
                     return {"ok": False, "faulted": True,
                             "error": f"generation {gen} was faulted: {fault.get('kind', 'fault')} of {fault.get('node')}"}
                 remaining = deadline - time.monotonic()

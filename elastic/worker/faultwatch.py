@@ -59,6 +59,11 @@ class FaultChannel(Protocol):
     def fault_wait(self, epoch: int, since_gen: int, timeout_s: float) -> dict[str, Any] | None: ...
 
 
+def _covered(fault: dict[str, Any], lost: frozenset[str]) -> bool:
+    """A pushed node loss of a node the plan already formed without."""
+    return fault.get("kind") == "node_lost" and fault.get("node") in lost
+
+
 class FaultLatch:
     """The generation this worker's process groups belong to, and whether it was torn down.
 
@@ -73,6 +78,8 @@ class FaultLatch:
         self._lock = threading.Lock()
         self.gen = 0  # the generation whose groups are live or forming
         self._torn: set[int] = set()
+        self._ahead: dict[int, list[dict[str, Any]]] = {}  # gen -> the pushed faults that broke it before it formed
+        self._lost: frozenset[str] = frozenset()  # the nodes the current generation's plan formed without
         self.torn_event = threading.Event()  # set while self.gen is torn down
         self.recovering = threading.Event()  # set once the training thread began leaving self.gen (leave())
         self.fault: dict[str, Any] | None = None  # the pushed fault that tore a generation down, if one did
@@ -81,11 +88,19 @@ class FaultLatch:
         self.unwound_at: float | None = None  # when the monitor raised into the training thread
 
     # -- the training thread ----------------------------------------------------------------
-    def forming(self, gen: int) -> None:
-        """The training thread now forms generation ``gen`` (after tearing the previous one down)."""
+    def forming(self, gen: int, lost: frozenset[str] | set[str] = frozenset()) -> None:
+        """The training thread now forms generation ``gen`` (after tearing the previous one down);
+        ``lost``: the nodes its plan formed without.  A fault that broke ``gen`` ahead of time only
+        by losing one of those nodes breaks nothing: the plan already left the node out.  Measured:
+        a node's loss pushed for the generation being planned (it might have joined) reached the
+        workers before the plan, which then declared it lost; they failed that generation anyway,
+        formed the next one relative to it (a world that never trained, so no snapshot matched)
+        and fell back to disk (``tests/test_recovery_memory_e2e.py``, once in a full run)."""
         with self._lock:
-            self.gen = gen
+            self.gen, self._lost = gen, frozenset(lost)
             self.recovering.clear()
+            if gen in self._torn and all(_covered(f, self._lost) for f in self._ahead.get(gen, [{}])):
+                self._torn.discard(gen)
             if gen in self._torn:  # a pushed fault broke it before it formed (fault_through)
                 self.torn_event.set()
             else:
@@ -125,9 +140,11 @@ class FaultLatch:
         fails it as soon as it forms (its plan counted a rank that died: its store would wait for
         that rank until its timeout)."""
         with self._lock:
-            if gen < self.gen:
-                return None
+            if gen < self.gen or (gen == self.gen and _covered(fault, self._lost)):
+                return None  # older, or a loss the current plan already left out
             ahead = set(range(self.gen + 1, gen + 1)) - self._torn
+            for later in range(self.gen + 1, gen + 1):
+                self._ahead.setdefault(later, []).append(fault)
             if ahead:
                 self._torn |= ahead
                 self.fault = fault

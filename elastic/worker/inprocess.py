@@ -255,7 +255,7 @@ class InProcess:
         if plan.nodes < min_nodes:
             raise RecoveryUnavailable(f"generation {plan.gen} has {plan.nodes} nodes; the run needs at least "
                                       f"{min_nodes} (launch.nodes): restarting from the disk checkpoint")
-        self.latch.forming(plan.gen)
+        self.latch.forming(plan.gen, set(plan.lost) | set(plan.gone))
         self._init_group(plan, backend, pg_timeout)
         clock.lap("process_group_s")
         self.round.adopt(plan)
