@@ -202,6 +202,9 @@ def test_an_equal_replay_is_verified_and_its_files_are_removed(tmp_path):
     [verified] = agents.events("sdc.verified")
     assert (verified["step"], verified["rank"], verified["node"], verified["verifier"]) == (10, 1, "node1", "node0")
     assert not path.exists() and agents.node0.pending == {}
+    # What a checkpoint's COMMIT marker is judged by: node0 verified node1's rank through step 10.
+    assert agents.state.sdc_verified_through(nodes=1, epoch=0) == 10
+    assert agents.state.sdc_verified_through(nodes=2, epoch=0) is None
 
 
 def test_a_differing_replay_names_the_checked_node_and_the_units(tmp_path):

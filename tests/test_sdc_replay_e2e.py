@@ -85,6 +85,10 @@ def test_a_flipped_bit_in_one_nodes_gradient_is_named_by_the_other_nodes_replay(
     loaded = [e["step"] for e in after if e["kind"] == "checkpoint.loaded"]
     from_step = rollback["from_step"]
     assert loaded and all(step < from_step for step in loaded) and all(step >= from_step for step in skipped)
+    # Every COMMIT marker says whether the run was verified through its step (elastic/checkpoint/verified.py).
+    markers = [json.loads(p.read_text()) for p in (run / "checkpoints").glob("step-*/COMMIT")]
+    assert markers and all(isinstance(m["sdc"]["verified"], bool) for m in markers), markers
+    assert not [e for e in after if e["kind"] == "checkpoint.resume_unverified"]  # a verified one was kept
     # The reference runs without replay verification: checks only read the step (bitwise the same).
     clean = tmp_path / "clean"
     reference = start_launcher(_config(clean, every=0), subprocess_env)

@@ -12,6 +12,7 @@ from an older checkpoint or from step 0 would throw that run's progress away.
 from __future__ import annotations
 
 import errno
+import functools
 import hashlib
 import io
 import json
@@ -30,6 +31,7 @@ from elastic.checkpoint.config import CheckpointConfig
 from elastic.checkpoint.format import MANIFEST_FILE, SafetensorsShardReader, read_extra, read_manifest
 from elastic.checkpoint.identity import COMMIT_FILE, mismatch
 from elastic.checkpoint.memory import MemoryFastPath
+from elastic.checkpoint.verified import VerifiedThrough, trusted
 from elastic.common import collectives
 from elastic.common.events import EventLog
 
@@ -125,6 +127,10 @@ class CommittedCheckpoints:
         step or later committed in that epoch or before holds it and is skipped
         (``checkpoint.skipped_suspect``).  Not the finding's time: a save under way then commits after
         it (measured: step 90's save committed 0.2 s after the finding and was resumed from)."""
+        self.sdc_verified: VerifiedThrough | None = None
+        """Replay verification on: epoch -> the step that epoch's replay checks agree through now
+        (read from etcd by rank 0 at a commit and a resume; None when not yet).  A resume prefers the
+        newest verified checkpoint (:mod:`elastic.checkpoint.verified`)."""
         self._rank = collectives.rank()
 
     def wait(self) -> None:
@@ -174,6 +180,7 @@ class CommittedCheckpoints:
         The memory fast path needs only the proof that the cached save was committed;
         the bytes it loads carry their own sha256.
         """
+        verified, newest = self.verified_through(), None
         for step in reversed(self.committed_steps()):
             try:
                 marker = json.loads((self.root / step_dir_name(step) / COMMIT_FILE).read_text(encoding="utf-8"))
@@ -185,8 +192,26 @@ class CommittedCheckpoints:
                 continue
             if self._distrusted(marker):
                 continue
-            return step, str(marker.get("id", ""))
-        return None
+            if trusted(marker, verified):
+                return step, str(marker.get("id", ""))
+            newest = newest or (step, str(marker.get("id", "")))
+        return newest  # none verified: the newest (the disk pick says so)
+
+    def verified_through(self) -> VerifiedThrough | None:
+        """Rank 0, for one pick: :attr:`sdc_verified`, read once per epoch; a failed read (etcd
+        unreachable) counts as nothing verified since: only the markers' own verdicts count."""
+        if self.sdc_verified is None:
+            return None
+        read = self.sdc_verified
+
+        @functools.cache
+        def through(epoch: int) -> int | None:
+            try:
+                return read(epoch)
+            except Exception as exc:  # noqa: BLE001 - a resume never fails for want of this hint
+                log.warning("reading epoch %d's verified step: %s", epoch, exc)
+                return None
+        return through
 
     def _distrusted(self, marker: dict[str, Any]) -> bool:
         """Written after a silent corruption it holds, before the corruption was found."""
@@ -199,6 +224,7 @@ class CommittedCheckpoints:
     def _pick(self, rejected: set[int]) -> int | str | None:
         """Rank 0: newest committed step that verifies, reporting each one skipped; the mismatch
         line (a str) when the newest readable one is another config's."""
+        verified, newest = self.verified_through(), None
         for step in reversed(self.committed_steps()):
             if step in rejected:
                 continue
@@ -217,8 +243,21 @@ class CommittedCheckpoints:
                                  committed_epoch=marker.get("epoch"), found_epoch=self.distrust[1])
                 rejected.add(step)
                 continue
+            if not trusted(marker, verified):
+                self._report_unverified(step, marker, verified)
+                newest = step if newest is None else newest
+                continue
             return step
-        return None
+        if newest is not None:
+            self.events.emit("checkpoint.resume_unverified", step=newest,
+                             reason="no checkpoint of this run is verified by replay: the newest is taken")
+        return newest
+
+    def _report_unverified(self, step: int, marker: dict[str, Any], verified: VerifiedThrough | None) -> None:
+        epoch = marker.get("epoch")
+        self.events.emit("checkpoint.skipped_unverified", step=step, epoch=epoch,
+                         marker_verified_step=marker["sdc"].get("verified_step"),
+                         verified_step=verified(int(epoch)) if verified is not None and epoch is not None else None)
 
     def _report_skipped(self, step: int, reason: str) -> None:
         log.error("skipping checkpoint step %d: %s", step, reason)

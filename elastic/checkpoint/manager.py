@@ -108,6 +108,7 @@ from elastic.checkpoint.memory import MemoryFastPath, as_state_dicts
 from elastic.checkpoint.memclient import MemStateClient
 from elastic.checkpoint.snapshot import snapshot_state_dicts
 from elastic.checkpoint.staging import FlatStager
+from elastic.checkpoint.verified import marker_field, newest_trusted, upgrade
 from elastic.checkpoint.publish import EtcdCheckpointPublisher, publisher_from_env
 from elastic.checkpoint.storage import CheckpointStorage, LocalStorage
 from elastic.common import collectives
@@ -188,6 +189,7 @@ class CheckpointManager(CommittedCheckpoints):
         self.storage: CheckpointStorage = storage or LocalStorage()
         self.last_error: BaseException | None = None
         self.last_committed: int | None = None
+        self._verified_at_commit: int | None = None  # rank 0: the run's verified step read at the last commit
         self._streak: list[tuple[int, str]] = []  # rank 0: (step, error) of each save failed since the last commit
         self.failed_in_a_row: list[tuple[int, str]] = []  # the streak as every rank agreed at the last save
         self.memory = MemoryFastPath.from_env(config.memory, fingerprint, self.events, self.group, memory_client)
@@ -384,7 +386,26 @@ class CheckpointManager(CommittedCheckpoints):
             except _FAILURES as exc:
                 log.warning("publishing checkpoint step %d failed: %s", step, exc)
                 self.events.emit("checkpoint.publish_failed", step=step, **_error_fields(exc))
+        self._upgrade_verified()
         self._retain(protect=step)
+
+    def _sdc_field(self, step: int) -> dict[str, Any]:
+        """Replay verification on: whether the run was verified through ``step`` as it commits."""
+        if self.sdc_verified is None:
+            return {}
+        through = self.verified_through()
+        self._verified_at_commit = through(self.epoch) if through is not None and self.epoch is not None else None
+        return marker_field(step, self._verified_at_commit)
+
+    def _upgrade_verified(self) -> None:
+        """Markers committed unverified that the run is now verified past (their check answered
+        after their commit): upgraded, so a resume need not pass them over."""
+        verified = self._verified_at_commit
+        if verified is None:
+            return
+        for step in self.committed_steps():
+            if step <= verified and upgrade(self.root / step_dir_name(step), verified, self.epoch):
+                self.events.emit("checkpoint.verified", step=step, verified_step=verified)
 
     def _push_memory(self, step: int, snapshot: _Snapshot | None) -> None:
         """Hand this rank's saved state to the agent's cache (tagged with the save's token)."""
@@ -418,6 +439,7 @@ class CheckpointManager(CommittedCheckpoints):
             "fingerprint": self.fingerprint,
             "fingerprint_basis": self.fingerprint_basis,
             **({"epoch": self.epoch} if self.epoch is not None else {}),
+            **self._sdc_field(step),
             "ts": time.time(),
             "files": files,
         }
@@ -436,7 +458,10 @@ class CheckpointManager(CommittedCheckpoints):
 
     def _retain(self, protect: int) -> None:
         """Runs on the finalize thread; a failed delete is logged and skipped."""
-        for step in select_for_deletion(self.committed_steps(), self.config.keep_last, protect=(protect,)):
+        steps = self.committed_steps()
+        keep = newest_trusted([(s, self.root / step_dir_name(s)) for s in reversed(steps)],
+                              self.verified_through()) if self.sdc_verified is not None else None
+        for step in select_for_deletion(steps, self.config.keep_last, protect=(protect, *([keep] if keep else []))):
             path = self.root / step_dir_name(step)
             try:
                 # Hide it first (a reader never sees a half-deleted checkpoint), then delete.

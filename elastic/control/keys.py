@@ -28,6 +28,8 @@ can be listed, inspected (``elastic status``) and cleaned up as one prefix range
                                that epoch or before hold it
     sdc/sums/<rank>            that rank's last few replay checks: its gradient's checksums by step,
                                the world (epoch.generation) that computed them (one key per rank)
+    sdc/verified/<node>        {step, rank, tag, ts}: the newest check that node's spare verified (agreed);
+                               an epoch is verified through the lowest of its verifiers' ones
     diag/<node>                newest screen verdict
     admission/{token,fingerprint}
     checkpoint/latest          newest committed checkpoint (a hint; disk is the truth)
@@ -201,6 +203,13 @@ class RunKeys:
 
     def replay_sum(self, rank: int) -> str:
         return self._k("sdc", "sums", str(rank))
+
+    def sdc_verified(self, node_id: str) -> str:
+        return self._k("sdc", "verified", node_id)
+
+    @property
+    def sdc_verified_prefix(self) -> str:
+        return self._k("sdc", "verified", "")
 
     def sdc_arbitrate(self, node_id: str) -> str:
         """The newest arbitration asked of this node's spare (a watched signal of its agent)."""

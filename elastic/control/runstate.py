@@ -287,6 +287,22 @@ class RunState:
     def replay_sum(self, rank: int) -> dict[str, Any] | None:
         return self._record(self.keys.replay_sum(rank))
 
+    def put_sdc_verified(self, node_id: str, record: dict[str, Any]) -> None:
+        """The newest check ``node_id``'s spare verified: ``{step, rank, tag}`` (one key per verifier,
+        one put per agreed check: as many writes as the checked ranks' ``put_replay_sum``)."""
+        self._put(self.keys.sdc_verified(node_id), {**record, "ts": self.clock()})
+
+    def sdc_verified_through(self, nodes: int, epoch: int) -> int | None:
+        """The step through which the replay checks of ``epoch`` agreed: the lowest of the verifiers'
+        newest agreed checks in that epoch, once at least ``nodes`` verifiers have one there (each
+        node verifies one rank of its neighbour per check step: fewer means some rank is not verified
+        yet); None before.  A check verifies the trajectory of its epoch only: a restart retrains
+        from a checkpoint, a rollback throws steps away.  The keys hold each verifier's newest check,
+        so an epoch's are readable until its verifiers check in the next (a resume reads them first)."""
+        steps = [int(r["step"]) for r in self._records(self.keys.sdc_verified_prefix).values()
+                 if "step" in r and _tag_epoch(r.get("tag")) == epoch]
+        return min(steps) if steps and len(steps) >= max(nodes, 1) else None
+
     def put_arbitration(self, node_id: str, record: dict[str, Any]) -> None:
         self._put(self.keys.sdc_arbitrate(node_id), record)
 
@@ -404,3 +420,11 @@ def _judge_rollback(record: dict[str, Any], bad_step: int, epoch: int, max_rollb
         return RollbackVerdict("stop", f"numerics: {record['rollbacks']} rollbacks already "
                                        f"(max_rollbacks={max_rollbacks})")
     return None
+
+
+def _tag_epoch(tag: Any) -> int:
+    """The epoch of a replay check's world tag (``epoch.generation``); -1 when unreadable."""
+    try:
+        return int(str(tag).split(".", 1)[0])
+    except ValueError:
+        return -1

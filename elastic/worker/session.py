@@ -301,11 +301,20 @@ class WorkerSession:
         storage = FaultInjectingStorage(LocalStorage(), self.hooks.checkpoint_write_fails)
         basis = self.cfg.fingerprint_basis() if self.cfg.fingerprint else None
         # A replica group owns its temporary save directories: groups share the checkpoint root.
+        publisher = publisher_from_env()
         manager = CheckpointManager(self.cfg.checkpoint, root, self.cfg.fingerprint, self.events, group,
-                                    publisher=publisher_from_env(), storage=storage, fingerprint_basis=basis,
+                                    publisher=publisher, storage=storage, fingerprint_basis=basis,
                                     owner=self.group or "")
         manager.epoch, manager.distrust = self.epoch, distrust_from_env()
+        if self.cfg.sdc.replay and publisher is not None:
+            manager.sdc_verified = lambda epoch: self._verified_through(publisher.state, epoch)
         return manager
+
+    def _verified_through(self, state: Any, epoch: int) -> int | None:
+        """The step ``epoch``'s replay checks agree through (one verifier per node: the world's node
+        count of them must have checked in that epoch)."""
+        nodes = max(1, self.world // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+        return state.sdc_verified_through(nodes, epoch)
 
     # -- start ------------------------------------------------------------------
     def resume(self, state: dict[str, Any]) -> tuple[int, dict[str, Any]] | None:
