@@ -26,12 +26,24 @@ def test_an_epoch_is_verified_through_the_lowest_verifiers_newest_check_once_eve
     state = _run()
     state.put_sdc_verified("node1", {"step": 30, "rank": 0, "tag": "0.0"})
     assert state.sdc_verified_through(nodes=2, epoch=0) is None  # node0's neighbour not verified yet
-    state.put_sdc_verified("node0", {"step": 20, "rank": 1, "tag": "0.2"})  # generation 2 of epoch 0
+    state.put_sdc_verified("node0", {"step": 20, "rank": 1, "tag": "0.0"})
     assert state.sdc_verified_through(nodes=2, epoch=0) == 20
     # A check verifies its epoch's trajectory only (a restart retrains, a rollback throws steps away).
     state.put_sdc_verified("node0", {"step": 40, "rank": 1, "tag": "1.0"})
     assert state.sdc_verified_through(nodes=2, epoch=0) is None and state.sdc_verified_through(nodes=2, epoch=1) is None
     assert state.sdc_verified_through(nodes=1, epoch=0) == 30 and state.sdc_verified_through(nodes=1, epoch=1) == 40
+
+
+def test_a_node_that_left_in_process_does_not_hold_the_epochs_verified_step_back():
+    state = _run()
+    for node, step in (("node0", 20), ("node1", 20), ("node2", 20)):
+        state.put_sdc_verified(node, {"step": step, "rank": 0, "tag": "0.0"})
+    assert state.sdc_verified_through(nodes=3, epoch=0) == 20
+    # node2 left: generation 1 has two nodes; until both have checked in it, nothing is verified.
+    state.put_sdc_verified("node0", {"step": 40, "rank": 0, "tag": "0.1"})
+    assert state.sdc_verified_through(nodes=2, epoch=0) is None
+    state.put_sdc_verified("node1", {"step": 50, "rank": 0, "tag": "0.1"})
+    assert state.sdc_verified_through(nodes=2, epoch=0) == 40
 
 
 def test_a_marker_is_trusted_when_verified_then_or_since_and_upgrades_in_place(tmp_path):
@@ -141,3 +153,39 @@ def test_after_a_mismatch_a_verifier_no_longer_says_its_epoch_is_verified(tmp_pa
     write_result(agents.captured(40, tag="1.0"), {"step": 40, "rank": 1, "checksums": SUMS, "replay_s": 0.2})
     agents.node0.poll()
     assert agents.state.sdc_verified_through(nodes=1, epoch=1) == 40
+
+
+def test_a_checks_replay_runs_niced_and_an_arbiters_does_not(monkeypatch, tmp_path):
+    """The spare replays a check in a thread at niceness 19 (it takes the CPU the ranks leave idle);
+    an arbiter's replay, which a verdict waits for, and the spare's main thread keep their priority."""
+    import os
+    import threading
+
+    from elastic.worker import spare
+
+    seen = []
+    monkeypatch.setattr(spare, "verify", lambda module, argv, path, arbiter=False: seen.append(
+        (arbiter, os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))))
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    spare.verify_niced(None, [], tmp_path / "x.pt")
+    spare.verify_niced(None, [], tmp_path / "x.pt", arbiter=True)
+    assert seen == [(False, max(base, spare.REPLAY_NICE)), (True, base)]
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == base
+
+
+def test_a_resume_does_not_go_back_further_than_a_stalled_verification_is_worth(tmp_path):
+    verified = [10]
+    mgr, _ = _verifying_manager(tmp_path, verified, keep_last=5)
+    for step in (10, 20, 30, 40):
+        mgr.save(step, _state(*_trained()))
+    mgr.sdc_verified_within = 20  # 40 -> 10 is 30 steps back: verification has stalled
+    step, _ = mgr.load_latest(_state(*_trained(seed=5, steps=1)))
+    assert step == 40
+    events = read_events([tmp_path / "events.jsonl"])
+    assert [e["step"] for e in events if e["kind"] == "checkpoint.skipped_unverified"] == [40, 30, 20]
+    [said] = [e for e in events if e["kind"] == "checkpoint.resume_unverified"]
+    assert said["step"] == 40 and "stalled" in said["reason"]
+    mgr.sdc_verified_within = 30
+    step, _ = mgr.load_latest(_state(*_trained(seed=5, steps=1)))
+    assert step == 10
+    mgr.close()

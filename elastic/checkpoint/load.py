@@ -131,6 +131,11 @@ class CommittedCheckpoints:
         """Replay verification on: epoch -> the step that epoch's replay checks agree through now
         (read from etcd by rank 0 at a commit and a resume; None when not yet).  A resume prefers the
         newest verified checkpoint (:mod:`elastic.checkpoint.verified`)."""
+        self.sdc_verified_within = 0
+        """How many steps before the newest usable checkpoint a resume looks for a verified one (0: no
+        limit).  Checks trail their steps by one check interval and a replay; verification lagging
+        further has stalled (a spare that cannot keep up, a verifier gone quiet after a mismatch), and
+        a resume then takes the newest rather than throw that much training away."""
         self._rank = collectives.rank()
 
     def wait(self) -> None:
@@ -192,10 +197,12 @@ class CommittedCheckpoints:
                 continue
             if self._distrusted(marker):
                 continue
+            newest = newest or (step, str(marker.get("id", "")))
+            if 0 < self.sdc_verified_within < newest[0] - step:
+                return newest  # verification has stalled (the disk pick says so)
             if trusted(marker, verified):
                 return step, str(marker.get("id", ""))
-            newest = newest or (step, str(marker.get("id", "")))
-        return newest  # none verified: the newest (the disk pick says so)
+        return newest  # none verified (within reach): the newest (the disk pick says so)
 
     def verified_through(self) -> VerifiedThrough | None:
         """Rank 0, for one pick: :attr:`sdc_verified`, read once per epoch; a failed read (etcd
@@ -243,15 +250,25 @@ class CommittedCheckpoints:
                                  committed_epoch=marker.get("epoch"), found_epoch=self.distrust[1])
                 rejected.add(step)
                 continue
-            if not trusted(marker, verified):
-                self._report_unverified(step, marker, verified)
-                newest = step if newest is None else newest
-                continue
-            return step
+            newest = step if newest is None else newest
+            if not self._looks_further(newest, step):
+                return newest
+            if trusted(marker, verified):
+                return step
+            self._report_unverified(step, marker, verified)
         if newest is not None:
             self.events.emit("checkpoint.resume_unverified", step=newest,
                              reason="no checkpoint of this run is verified by replay: the newest is taken")
         return newest
+
+    def _looks_further(self, newest: int, step: int) -> bool:
+        """Whether a resume passes over ``step`` for an older verified one (within the window)."""
+        within = self.sdc_verified_within
+        if not 0 < within < newest - step:
+            return True
+        self.events.emit("checkpoint.resume_unverified", step=newest, reason=(
+            f"verification lags more than {within} steps behind (stalled): the newest is taken"))
+        return False
 
     def _report_unverified(self, step: int, marker: dict[str, Any], verified: VerifiedThrough | None) -> None:
         epoch = marker.get("epoch")

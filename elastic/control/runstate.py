@@ -294,13 +294,18 @@ class RunState:
 
     def sdc_verified_through(self, nodes: int, epoch: int) -> int | None:
         """The step through which the replay checks of ``epoch`` agreed: the lowest of the verifiers'
-        newest agreed checks in that epoch, once at least ``nodes`` verifiers have one there (each
-        node verifies one rank of its neighbour per check step: fewer means some rank is not verified
-        yet); None before.  A check verifies the trajectory of its epoch only: a restart retrains
-        from a checkpoint, a rollback throws steps away.  The keys hold each verifier's newest check,
-        so an epoch's are readable until its verifiers check in the next (a resume reads them first)."""
-        steps = [int(r["step"]) for r in self._records(self.keys.sdc_verified_prefix).values()
-                 if "step" in r and _tag_epoch(r.get("tag")) == epoch]
+        newest agreed checks in that epoch's newest generation, once at least ``nodes`` verifiers
+        have one there (each node verifies one rank of its neighbour per check step: fewer means some
+        rank is not verified yet); None before.  A check verifies the trajectory of its epoch only
+        (a restart retrains from a checkpoint, a rollback throws steps away), and counts in its
+        generation only: a node that left in-process keeps its last record, which must not hold the
+        run's verified step back for the rest of the epoch.  The keys hold each verifier's newest
+        check, so an epoch's are readable until its verifiers check in the next (a resume reads them
+        before any has)."""
+        tags = [(_tag(r.get("tag")), int(r["step"])) for r in self._records(self.keys.sdc_verified_prefix).values()
+                if "step" in r]
+        gens = [gen for (e, gen), _ in tags if e == epoch]
+        steps = [step for tag, step in tags if gens and tag == (epoch, max(gens))]
         return min(steps) if steps and len(steps) >= max(nodes, 1) else None
 
     def put_arbitration(self, node_id: str, record: dict[str, Any]) -> None:
@@ -422,9 +427,10 @@ def _judge_rollback(record: dict[str, Any], bad_step: int, epoch: int, max_rollb
     return None
 
 
-def _tag_epoch(tag: Any) -> int:
-    """The epoch of a replay check's world tag (``epoch.generation``); -1 when unreadable."""
+def _tag(tag: Any) -> tuple[int, int]:
+    """(epoch, generation) of a replay check's world tag (``epoch.generation``); (-1, -1) unreadable."""
     try:
-        return int(str(tag).split(".", 1)[0])
+        epoch, _, gen = str(tag).partition(".")
+        return int(epoch), int(gen or 0)
     except ValueError:
-        return -1
+        return -1, -1

@@ -308,6 +308,9 @@ class WorkerSession:
         manager.epoch, manager.distrust = self.epoch, distrust_from_env()
         if self.cfg.sdc.replay and publisher is not None:
             manager.sdc_verified = lambda epoch: self._verified_through(publisher.state, epoch)
+            # A check trails its step by one check interval and a replay; a checkpoint lands up to an
+            # interval after that: further back than twice both, verification has stalled.
+            manager.sdc_verified_within = 2 * (self.cfg.sdc.replay_every + self.cfg.checkpoint.interval_steps)
         return manager
 
     def _verified_through(self, state: Any, epoch: int) -> int | None:

@@ -16,6 +16,7 @@ The module name comes from the command line, so the runtime does not import any 
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import os
@@ -23,8 +24,10 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 from elastic.common.procs import set_parent_death_signal
 
@@ -54,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         assignment = json.loads(line)
         if "verify" not in assignment:
             break
-        verify(module, args[2:], Path(assignment["verify"]), arbiter=bool(assignment.get("arbiter")))
+        verify_niced(module, args[2:], Path(assignment["verify"]), arbiter=bool(assignment.get("arbiter")))
     os.environ.update({str(k): str(v) for k, v in assignment["env"].items()})
     print(json.dumps({"spare": "assigned", "slot": assignment.get("slot"), "gen": assignment["env"].get("ELASTIC_JOIN_GEN"),
                       "wait_s": round(time.monotonic() - t0, 3)}), flush=True)
@@ -68,6 +71,32 @@ def main(argv: list[str] | None = None) -> int:
 
     exit_process(code)
     return code  # not reached
+
+
+REPLAY_NICE = 19
+"""The niceness of a check's replay thread.  The spare shares its node's CPUs (and, on a GPU node,
+a device) with the ranks it verifies; a replay is off the critical path and must yield to them."""
+
+
+def verify_niced(module: ModuleType, argv: list[str], path: Path, arbiter: bool = False) -> None:
+    """:func:`verify` in a thread at :data:`REPLAY_NICE` (Linux niceness is per thread), so the
+    check's replay takes the CPU the training ranks leave idle (their step sleeps, their waits in
+    collectives) instead of competing with them: with one intra-op thread, as the agent starts ranks
+    and the replay matches (``torch.set_num_threads`` of the rank), the whole replay runs on it.  An
+    arbiter's replay runs at normal priority: a verdict is waited for, and it is rare.  The main
+    thread stays at normal priority for the slot the spare may take."""
+    if arbiter:
+        return verify(module, argv, path, arbiter)
+    thread = threading.Thread(target=_niced, args=(verify, module, argv, path), name="replay", daemon=True)
+    thread.start()
+    thread.join()
+    return None
+
+
+def _niced(target: Callable[..., None], *args: Any) -> None:
+    with contextlib.suppress(OSError):  # not permitted: the replay runs at the spare's priority
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), REPLAY_NICE)
+    target(*args)
 
 
 def verify(module: ModuleType, argv: list[str], path: Path, arbiter: bool = False) -> None:
