@@ -100,6 +100,10 @@ def test_dit_2x2_cp2_worker_kill_recovers_in_process_bitwise(tmp_path, subproces
     assert summary["restarts_counted"] == 1
 
 
+# Soak tier: the same run with collectives that hang on a dead peer (NCCL's way) is the default
+# suite's test_peer_hang_e2e.py::test_dit_worker_kill_recovers_in_process_bitwise_when_collectives_hang,
+# and gloo's raising path runs in the cp=2 test above and the chaos quick suite's kill_worker.
+@pytest.mark.soak
 def test_dit_2x1_worker_kill_recovers_in_process_bitwise(tmp_path, subprocess_env):
     baseline, _, _ = _run(_dit_config(tmp_path, "base", "2", 1, cp=1), subprocess_env)
     summary, events, kill_ts = _run(_dit_config(tmp_path, "kill", "2", 1, cp=1), subprocess_env,

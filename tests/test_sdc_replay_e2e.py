@@ -67,7 +67,9 @@ def test_a_flipped_bit_in_one_nodes_gradient_is_named_by_the_other_nodes_replay(
     # the spares are up: skipped, never a false alarm).
     assert {e["verifier"] for e in verified} == {"node0", "node1"}
     assert all(e["node"] != e["verifier"] for e in verified + suspects)
-    assert any(e["step"] == flip_step and e["node"] == "node0" for e in verified)  # node0's own step was fine
+    # node0's own check at the flipped step agreed, or was skipped (a loaded host: its spare had two
+    # checks waiting; a full suite beside two benchmarks once): never a mismatch.
+    assert not [e for e in events if e["kind"] == "sdc.mismatch" and e["node"] == "node0"]
     # The run rolled back: node1 counted, checkpoints after the rank's last verified step not trusted
     # (its GPU may have computed wrong since), the newest one before it loaded, and the steps from
     # there trained again without the flip.
