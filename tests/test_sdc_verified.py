@@ -161,6 +161,7 @@ def test_a_checks_replay_runs_niced_and_an_arbiters_does_not(monkeypatch, tmp_pa
     import os
     import threading
 
+    from elastic.sdc.results import OFF_PATH_NICE
     from elastic.worker import spare
 
     seen = []
@@ -169,7 +170,7 @@ def test_a_checks_replay_runs_niced_and_an_arbiters_does_not(monkeypatch, tmp_pa
     base = os.getpriority(os.PRIO_PROCESS, 0)
     spare.verify_niced(None, [], tmp_path / "x.pt")
     spare.verify_niced(None, [], tmp_path / "x.pt", arbiter=True)
-    assert seen == [(False, max(base, spare.REPLAY_NICE)), (True, base)]
+    assert seen == [(False, max(base, OFF_PATH_NICE)), (True, base)]
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == base
 
 

@@ -47,7 +47,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
-from elastic.sdc.results import inputs_path
+from elastic.sdc.results import inputs_path, nice_this_thread
 
 _WRAPPER = "_checkpoint_wrapped_module."
 
@@ -154,7 +154,8 @@ class ReplayProbe:
         self.units = fsdp_units(model)
         self.check: _Check | None = None
         self.step = 0
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sdc-replay")
+        # Niced: the checksums and input files are off the training thread's path (nothing waits on them).
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sdc-replay", initializer=nice_this_thread)
         self._lock = threading.Lock()
         for label, module in model.named_modules():
             if isinstance(module, FSDPModule):
@@ -195,6 +196,11 @@ class ReplayProbe:
     def checksums(self, check: _Check) -> dict[str, int]:
         """The checked rank's fingerprint (waits for the helper thread: call after the step's backward)."""
         return {label: fut.result() for label, fut in check.sums.items()}
+
+    def report_checksums(self, check: _Check, report: Callable[[dict[str, int]], None]) -> None:
+        """``report(checksums)`` on the helper thread once its checksums are done (after the step's
+        backward): the training thread does not wait for them."""
+        self._pool.submit(lambda: report(self.checksums(check)))
 
     def write_inputs(self, check: _Check, run_dir: Path, inputs: dict[str, Any], reduce_dtype: torch.dtype,
                      done: Callable[[Path], None], failed: Callable[[OSError], None] = lambda exc: None) -> None:

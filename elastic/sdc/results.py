@@ -9,9 +9,25 @@ replay disagreed with the rank (another node's spare replays the same input).
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import threading
 from pathlib import Path
 from typing import Any
+
+OFF_PATH_NICE = 19
+"""The niceness of replay verification's work off the training thread: a spare's replay of a check,
+a rank's checksums and input files.  It shares the node's CPUs with the ranks and must yield to them
+(measured, 4-node DiT on 2 cores: ``replay_step_ratio`` at ``replay_every: 10`` went from 1.089 to
+1.059 with the spare's replay niced; docs/benchmarks.md)."""
+
+
+def nice_this_thread(niceness: int = OFF_PATH_NICE) -> None:
+    """Lower the calling thread's priority (Linux niceness is per thread); where that is not
+    permitted the work runs at the process's priority."""
+    with contextlib.suppress(OSError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), niceness)
 
 REPLAY_DIR = "sdc"
 

@@ -82,7 +82,8 @@ class ReplayVerification:
             return
         agent = self.session.agent
         if check.checked:
-            agent.report_replay_sum(check.step, self.tag, self.probe.checksums(check), torch.get_num_threads())
+            step, tag, threads = check.step, self.tag, torch.get_num_threads()
+            self.probe.report_checksums(check, lambda sums: agent.report_replay_sum(step, tag, sums, threads))
         if check.target is not None:
             target, step, tag = check.target, check.step, self.tag
             events = self.session.events

@@ -16,7 +16,6 @@ The module name comes from the command line, so the runtime does not import any 
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import json
 import os
@@ -73,13 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     return code  # not reached
 
 
-REPLAY_NICE = 19
-"""The niceness of a check's replay thread.  The spare shares its node's CPUs (and, on a GPU node,
-a device) with the ranks it verifies; a replay is off the critical path and must yield to them."""
-
-
 def verify_niced(module: ModuleType, argv: list[str], path: Path, arbiter: bool = False) -> None:
-    """:func:`verify` in a thread at :data:`REPLAY_NICE` (Linux niceness is per thread), so the
+    """:func:`verify` in a thread at ``OFF_PATH_NICE`` (Linux niceness is per thread), so the
     check's replay takes the CPU the training ranks leave idle (their step sleeps, their waits in
     collectives) instead of competing with them: with one intra-op thread, as the agent starts ranks
     and the replay matches (``torch.set_num_threads`` of the rank), the whole replay runs on it.  An
@@ -94,8 +88,9 @@ def verify_niced(module: ModuleType, argv: list[str], path: Path, arbiter: bool 
 
 
 def _niced(target: Callable[..., None], *args: Any) -> None:
-    with contextlib.suppress(OSError):  # not permitted: the replay runs at the spare's priority
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), REPLAY_NICE)
+    from elastic.sdc.results import nice_this_thread
+
+    nice_this_thread()
     target(*args)
 
 
