@@ -19,8 +19,9 @@ from typing import Any
 OFF_PATH_NICE = 19
 """The niceness of replay verification's work off the training thread: a spare's replay of a check,
 a rank's checksums and input files.  It shares the node's CPUs with the ranks and must yield to them
-(measured, 4-node DiT on 2 cores: ``replay_step_ratio`` at ``replay_every: 10`` went from 1.089 to
-1.059 with the spare's replay niced; docs/benchmarks.md)."""
+(measured, 4-node DiT on 2 cores, 15 on/off block pairs: ``replay_step_ratio`` at ``replay_every:
+10`` 1.043 and 1.052 before, 1.038 and 1.039 with all three niced; ``SCHED_IDLE`` instead gave
+1.044 and 1.045, no better, so the plain niceness stays; docs/benchmarks.md)."""
 
 
 def nice_this_thread(niceness: int = OFF_PATH_NICE) -> None:
