@@ -265,7 +265,7 @@ class WorkerSession:
         self.ckpt = self._checkpoints() if checkpoints else None
         # The node screen runs while this worker builds and loads; the first step waits for it.
         self.screen = BackgroundScreen.from_env(int(os.environ.get("LOCAL_RANK", "0")))
-        self._sync = torch.zeros(1, device=device)
+        self._sync = _sync_tensor(device)
         self._t0 = 0.0
         self._wait = 0.0
         self._commit_points = False  # the trainer calls commit_point(): snapshot pushes overlap its steps
@@ -363,13 +363,21 @@ class WorkerSession:
         if self.inproc is not None:
             self.inproc.captured()
         watch = self._watches_saves()
-        if watch:
-            self._sync.fill_(1.0 if self.ckpt.streak_reached() else 0.0)
+        saving = self._agrees_saves(self._step)
+        if watch or saving:
+            reached = 1.0 if watch and self.ckpt.streak_reached() else 0.0
+            self._sync.copy_(torch.tensor([reached, *self.ckpt.sync_contribution(saving)], dtype=_SYNC_DTYPE))
         t_sync = time.monotonic()
         with self.probe.collective("sync", self._step):
             dist.all_reduce(check_device(self._sync))
         self._wait = time.monotonic() - t_sync
-        if watch and self._sync.item() > 0:
+        if not (watch or saving):
+            return
+        reached, busy, token = self._sync.tolist()  # one read back: on a GPU, a wait for the all-reduce
+        self._sync.zero_()  # the sums must not come round again at the next step
+        if saving:
+            self.ckpt.agreed(self._step, busy, token)
+        if watch and reached > 0:
             line = self.ckpt.agree_failing()
             if line is not None:
                 raise SavesFailing(line)
@@ -384,6 +392,12 @@ class WorkerSession:
         on a GPU a wait for the all-reduce, which the sync point exists to wait for.  Replica
         groups save from one group only and keep the check at the save (:meth:`maybe_save`)."""
         return self.ckpt is not None and not self.group and self.ckpt.stops_on_failures
+
+    def _agrees_saves(self, step: int) -> bool:
+        """Whether this step's sync point also agrees on its save's token (:meth:`CheckpointManager.
+        sync_contribution`): an interval save of a run without replica groups, whose checkpointer
+        spans the same ranks as the sync point.  The last step's save broadcasts as before."""
+        return self.ckpt is not None and not self.group and self.ckpt.should_save(step)
 
     def waited(self, seconds: float) -> None:
         """More of this step spent waiting on peers outside :meth:`sync_point` (a torchft quorum)."""
@@ -567,7 +581,7 @@ class WorkerSession:
         plan = self.inproc.reform(_backend(self.device), pg_timeout(), self.cfg.launch.min_nodes)
         self.rank, self.world, self.hooks.rank = self.inproc.rank, plan.world, self.inproc.rank
         self.agent.rank, self.agent.world_size = self.rank, self.world
-        self._sync = torch.zeros(1, device=self.device)
+        self._sync = _sync_tensor(self.device)
         self.ckpt = self._checkpoints() if self.checkpoints else None
         t_build = time.monotonic()
         run = build(self)
@@ -688,3 +702,12 @@ def run_worker(prog: str, trainer_class: type | None, train: Callable[[WorkerSes
         print(f"trainer: checkpoint mismatch: {exc}", file=sys.stderr, flush=True)
         return EXIT_CONFIG
     return 0
+
+
+_SYNC_DTYPE = torch.float64
+"""The sync point's values: whether rank 0's failed saves reached the limit, whether it is busy with
+a save, and the next save's token (a 32-bit integer: exact in a float64, summed with zeros)."""
+
+
+def _sync_tensor(device: torch.device | str) -> torch.Tensor:
+    return torch.zeros(3, dtype=_SYNC_DTYPE, device=device)
