@@ -155,6 +155,8 @@ def write_soak_html(report: dict[str, Any], path: Path, png: Path | None) -> Pat
                        ["etcd members", report.get("etcd_members", 1)],
                        ["hung", "YES: the run did not end on its own" if report.get("hung") else "no"],
                        ["goodput excluding startup", _fmt(report.get("goodput_excl_startup"), ".3f")],
+                       ["the same, fault-free replay (baseline)",
+                        _fmt((report.get("fault_free") or {}).get("goodput_excl_startup"), ".3f")],
                        ["recovery time (faults that needed one)", _mttr(report.get("mttr_s"))],
                        ["fault-free replay checksum", report["replay_checksum"]]]).replace("<table>", '<table class="meta">', 1),
             "<h2>Goodput</h2>",

@@ -12,7 +12,9 @@ runs against a 3-member etcd (what ``launch.etcd_members: 3`` starts in local mo
 
 The report (``soak.json``, ``goodput.json``, ``report.html``) gives the run's goodput broken
 into startup, recovery, checkpoint, lost work and the rest (they add up to the wall time),
-``goodput_excl_startup`` (productive time over the wall time after startup), ``mttr_s`` (p50 and
+``goodput_excl_startup`` (productive time over the wall time after startup), the same figure of the
+fault-free replay (``fault_free``: the baseline, what the job's own steps, saves and snapshots leave on
+this host) and their difference (``faults_cost_excl_startup``), ``mttr_s`` (p50 and
 p95 of the recovery times of the faults that needed a recovery), faults injected vs recovered,
 the cost of each fault kind, and every invariant that broke.  A run that did not end on its own
 within ``--timeout-s`` is a hang (``hung``; its replay is not run).  The soak passes only when
@@ -201,6 +203,22 @@ def goodput_excl_startup(goodput: dict[str, Any]) -> float | None:
     return round(productive / (wall - startup), 4)
 
 
+def fault_free(run_dir: Path) -> dict[str, Any]:
+    """The fault-free replay's goodput (the baseline measured in the same soak): the same job, steps
+    and skipped batches without a fault, so ``goodput_excl_startup`` there is what this job's steps,
+    saves and snapshots leave of the wall time on this host before any fault costs anything."""
+    goodput = compute_goodput(read_run_events(run_dir))
+    if goodput.get("goodput") is None:
+        return {}
+    return {"goodput_excl_startup": goodput_excl_startup(goodput), "goodput": goodput}
+
+
+def faults_cost(goodput: dict[str, Any], baseline: dict[str, Any]) -> float | None:
+    """What the faults cost: the fault-free replay's ``goodput_excl_startup`` minus the soak's."""
+    soak, free = goodput_excl_startup(goodput), baseline.get("goodput_excl_startup")
+    return None if soak is None or free is None else round(free - soak, 4)
+
+
 def hang_invariant(timeout_s: float, runs: dict[str, ClusterOutcome | None]) -> Invariant:
     """Every run ended on its own: one still going at its timeout (or a launcher still there a
     minute after the run finished) is a hang, the worst result a runtime can give."""
@@ -261,6 +279,7 @@ def run_soak(cfg: SoakConfig, echo=print) -> dict[str, Any]:
     entry, outcome = _soak_run(cfg, job, faults, stamp)
     run_dir = Path(entry["run_dir"])
     skips = skipped_steps(run_dir, outcome)
+    baseline: dict[str, Any] = {}
     if outcome.hung:
         # A hung run has no final weights to compare: the verdict is in, and a replay costs a run.
         replay_entry, replay_outcome = {"name": "replay", "skipped": "the soak run hung"}, None
@@ -269,6 +288,7 @@ def run_soak(cfg: SoakConfig, echo=print) -> dict[str, Any]:
         replay_entry, replay_outcome = run_scenario(None, "replay", suite, job, stamp, skips)
         replay = check_run(Path(replay_entry["run_dir"]), Expectation(steps=job.steps, bitwise=False, note="replay"),
                            None, replay_outcome.rc, node_rcs=replay_outcome.node_rcs, wall_s=replay_outcome.wall_s)
+        baseline = fault_free(Path(replay_entry["run_dir"]))
     events = read_run_events(run_dir)
     goodput = compute_goodput(events)
     expect = Expectation(steps=job.steps, note="fault-free replay skipping the same batches",
@@ -295,6 +315,7 @@ def run_soak(cfg: SoakConfig, echo=print) -> dict[str, Any]:
               "recoveries_not_bitwise": sum(1 for e in events if e.get("kind") == "trainer.recovered"
                                             and e.get("bitwise") is False),
               "goodput_excl_startup": goodput_excl_startup(goodput), "mttr_s": mttr(result["faults"]),
+              "fault_free": baseline, "faults_cost_excl_startup": faults_cost(goodput, baseline),
               "per_kind": kinds, "not_drawn": sorted(set(soaked(cfg)) - drawn), "ok": result["ok"],
               "broken": [i for i in result["invariants"] if not i["ok"]],
               "replay_checksum": replay["final_checksum"], "soak": {**entry, "result": result},
@@ -317,6 +338,7 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
     lines = [format_goodput(g),
              f"goodput_excl_startup {excl if excl is not None else '-'} (productive {g.get('productive_s')}s of "
              f"{round((g.get('wall_s') or 0) - (g.get('startup_s') or 0), 2)}s after startup)",
+             *_baseline_lines(report),
              f"mttr_s p50 {_s(m['p50'])} p95 {_s(m['p95'])} over {m['n']} faults that needed a recovery",
              "hung: no (every run ended on its own)" if not report["hung"] else
              "hung: YES -- " + next((i["detail"] for i in report["broken"] if i["name"] == "no_hang"), "see soak.json"),
@@ -340,6 +362,14 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
     lines.append("invariants: every one held" if not broken else
                  "BROKEN: " + "; ".join(f"{i['name']}: {i['detail']}" for i in broken))
     return lines
+
+
+def _baseline_lines(report: dict[str, Any]) -> list[str]:
+    free = (report.get("fault_free") or {}).get("goodput_excl_startup")
+    if free is None:
+        return []
+    return [f"fault-free replay: goodput_excl_startup {free} (this job's ceiling on this host); the faults cost "
+            f"{report.get('faults_cost_excl_startup')}"]
 
 
 def _s(value: float | None) -> str:

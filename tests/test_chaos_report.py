@@ -96,6 +96,29 @@ def test_soak_figures_mttr_goodput_after_startup_and_the_hang_verdict():
     assert "BROKEN: no_hang: HUNG: soak: still running after 300s" in text
 
 
+def test_the_fault_free_replay_is_the_soaks_baseline_and_the_difference_is_what_faults_cost(tmp_path):
+    from chaos.soak import fault_free, faults_cost, summary_lines
+
+    # The replay: launched at 0, first step begins at 10, 40 steps of 0.9 s with 0.1 s between them.
+    events = [{"ts": 0.0, "source": "launcher", "kind": "launcher.start"}]
+    events += [{"ts": 10.0 + i * 1.0 + 0.9, "source": "trainer/rank0", "kind": "trainer.step", "step": i + 1,
+                "step_time": 0.9} for i in range(40)]
+    events.append({"ts": 50.0, "source": "trainer/rank0", "kind": "trainer.done"})
+    (tmp_path / "events").mkdir()
+    (tmp_path / "events" / "agent-node0.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    base = fault_free(tmp_path)
+    assert base["goodput_excl_startup"] == 0.9  # 36 s of steps over the 40 s after startup
+    soak = {"goodput": 0.5, "wall_s": 100.0, "productive_s": 72.0, "startup_s": 10.0}
+    assert faults_cost(soak, base) == 0.1  # 0.9 without faults, 0.8 with them
+    assert faults_cost(soak, {}) is None and fault_free(tmp_path / "nothing") == {}
+    report = {"goodput": {**soak, "recovery_s": 0, "checkpoint_s": 0, "lost_s": 0, "other_s": 18.0},
+              "goodput_excl_startup": 0.8, "fault_free": base, "faults_cost_excl_startup": 0.1,
+              "mttr_s": {"p50": None, "p95": None, "n": 0}, "hung": False, "injected": 0, "recovered": 0,
+              "planned": 0, "requeues": 0, "per_kind": {}, "broken": []}
+    text = "\n".join(summary_lines(report))
+    assert "fault-free replay: goodput_excl_startup 0.9 (this job's ceiling on this host); the faults cost 0.1" in text
+
+
 def test_soak_html_shows_the_hang_and_the_figures(tmp_path):
     from chaos.soak import hang_invariant
 

@@ -136,3 +136,15 @@ def test_rank_killed_mid_save_previous_checkpoint_loads(tmp_path, subprocess_env
     resumed = read_events([tmp_path / "events-resume-rank0.jsonl"])
     assert len(_kinds(resumed, "checkpoint.stale_tmp_removed")) == (0 if dying == "1" else 1)
     assert [e["step"] for e in _kinds(resumed, "checkpoint.loaded")] == [2]
+
+
+def test_saves_agreed_at_the_sync_point_broadcast_nothing_until_a_save_fails(tmp_path, subprocess_env):
+    codes = run_ranks("agreed", 2, tmp_path, subprocess_env, timeout=60)
+    assert codes == [0, 0], _logs(tmp_path, "agreed")
+    for rank in (0, 1):
+        saved = {e["step"]: e for e in _kinds(read_events([tmp_path / f"events-agreed-rank{rank}.jsonl"]), "test.saved")}
+        assert sorted(saved) == [2, 4, 6, 8]
+        # 2 and 4: rank 0 had nothing to tell; 6: its save of 4 failed, so the streak is broadcast
+        # (and every rank holds it); 8: 6 committed and ended the streak, no broadcast again.
+        assert [saved[s]["broadcasts"] for s in (2, 4, 6, 8)] == [0, 0, 1, 0], saved
+        assert [saved[s]["streak"] for s in (2, 4, 6, 8)] == [[], [], [4], []], saved

@@ -194,6 +194,7 @@ class CheckpointManager(CommittedCheckpoints):
         self._streak: list[tuple[int, str]] = []  # rank 0: (step, error) of each save failed since the last commit
         self.failed_in_a_row: list[tuple[int, str]] = []  # the streak as every rank agreed at the last save
         self._agreed: tuple[int, str] | None = None  # (step, token) the step's sync point agreed on (agreed())
+        self.last_save_token = ""  # the newest save's token (its temporary directory's name)
         self.memory = MemoryFastPath.from_env(config.memory, fingerprint, self.events, self.group, memory_client)
         self._stager = FlatStager()  # async saves: one copy into a buffer kept between saves (staging.py)
         if self._rank == 0:
@@ -237,6 +238,7 @@ class CheckpointManager(CommittedCheckpoints):
         else:
             token, self.failed_in_a_row = collectives.broadcast_object(
                 (uuid.uuid4().hex[:8], list(self._streak)) if self._rank == 0 else None, self.group)
+        self.last_save_token = token
         tmp = self.root / f".{final.name}.tmp-{self._tag(token)}"
         self.events.emit("checkpoint.save_start", step=step, path=str(tmp), waited_s=round(waited_s, 6))
         t0 = time.monotonic()

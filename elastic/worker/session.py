@@ -366,7 +366,9 @@ class WorkerSession:
         saving = self._agrees_saves(self._step)
         if watch or saving:
             reached = 1.0 if watch and self.ckpt.streak_reached() else 0.0
-            self._sync.copy_(torch.tensor([reached, *self.ckpt.sync_contribution(saving)], dtype=_SYNC_DTYPE))
+            # fill_ per value, not a copy from a host tensor: on a GPU that would wait for the stream.
+            for i, value in enumerate((reached, *self.ckpt.sync_contribution(saving))):
+                self._sync[i].fill_(value)
         t_sync = time.monotonic()
         with self.probe.collective("sync", self._step):
             dist.all_reduce(check_device(self._sync))

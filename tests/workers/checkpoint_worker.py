@@ -339,7 +339,52 @@ def scenario_kill_resume(workdir: Path) -> None:
     mgr.close()
 
 
+def _sync_point(rig: Rig, mgr: CheckpointManager, step: int) -> None:
+    """What the worker session's sync point does for a step that saves: rank 0's part of the save's
+    agreement, summed over the world (the session's all-reduce, here on the world group)."""
+    values = torch.tensor([0.0, *mgr.sync_contribution(mgr.should_save(step))], dtype=torch.float64)
+    dist.all_reduce(values)
+    _, busy, token = values.tolist()
+    mgr.agreed(step, busy, token)
+
+
+def scenario_agreed(workdir: Path) -> None:
+    """A save whose step's sync point agreed on its token broadcasts nothing; while rank 0 has a
+    failed save to tell, the save broadcasts as before, and every rank takes the streak."""
+    import elastic.checkpoint.manager as manager_module
+
+    rig = Rig(workdir, tag="-agreed")
+    calls: list[int] = []
+    real = manager_module.collectives.broadcast_object
+
+    def counting(obj, group):
+        calls.append(1)
+        return real(obj, group)
+
+    manager_module.collectives.broadcast_object = counting
+    fails = {4} if rig.rank == 0 else set()  # rank 0 commits: its failed write starts the streak
+    mgr = rig.manager(storage=FaultInjectingStorage(LocalStorage(), lambda step: step in fails))
+    tokens = []
+    for step in range(1, 9):
+        rig.train(step)
+        _sync_point(rig, mgr, step)
+        if mgr.should_save(step):
+            before = len(calls)
+            mgr.save(step, rig.state)
+            mgr.wait()
+            dist.barrier()  # rank 0's finalize of this save is known before the next sync point
+            tokens.append(mgr.last_save_token)
+            rig.events.emit("test.saved", step=step, broadcasts=len(calls) - before,
+                            streak=[s for s, _ in mgr.failed_in_a_row], token=mgr.last_save_token)
+    mgr.close()
+    same = [None] * rig.world
+    dist.all_gather_object(same, tokens)
+    assert all(t == tokens for t in same), same
+    assert len(set(tokens)) == len(tokens), tokens
+
+
 SCENARIOS = {
+    "agreed": scenario_agreed,
     "main": scenario_main,
     "hop": scenario_hop,
     "kill": scenario_kill,
