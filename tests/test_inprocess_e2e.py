@@ -145,24 +145,16 @@ def test_a_kill_during_the_snapshot_push_loses_at_most_one_step(baseline_run, tm
 
 def test_two_adjacent_nodes_lost_fall_back_to_the_disk_checkpoint(tmp_path, subprocess_env):
     """node1's snapshots live on node2 (its buddy): losing both leaves one rank's state nowhere in
-    memory, so in-process recovery refuses and the run restarts from disk on the two nodes left.  The
-    survivors keep their warm spares through that restart: a worker lost right after it is replaced
-    in-process by the spare its node kept."""
+    memory, so in-process recovery refuses and the run restarts from disk on the two nodes left."""
     config = write_run_config(tmp_path, nodes="2:4", steps=60, run_id="fallback")
 
     def act(run_dir: Path, proc) -> float:
         _after_retire(run_dir, proc, "node2", min_step=10)
         kill_ts = kill_node(run_dir, "node1")
         kill_node(run_dir, "node2")
-        # Right after the restart from disk, node0 loses its worker: the spare it kept takes the slot.
-        kept = wait_for_event(run_dir, lambda e: e["kind"] == "agent.spare_started" and e["source"] == "agent/node0"
-                              and e["ts"] > kill_ts, timeout=120, proc=proc)
-        retired = [e for e in read_run_events(run_dir) if e["kind"] == "agent.torchrun_retired"
-                   and e["source"] == "agent/node0" and e["ts"] > kill_ts]
-        os.kill(int(retired[-1]["workers"]["0"]), signal.SIGKILL)
-        return kill_ts, kept
+        return kill_ts
 
-    summary, events, (kill_ts, kept) = _run(config, subprocess_env, act)
+    summary, events, kill_ts = _run(config, subprocess_env, act)
     failed = [e for e in events if e["kind"] == "trainer.recovery_failed" and e["ts"] > kill_ts]
     assert failed and all("no snapshot" in e["error"] for e in failed), failed
     assert any(e["kind"] == "agent.inprocess_fallback" and e["reason"] == "recovery failed" for e in events)
@@ -170,17 +162,6 @@ def test_two_adjacent_nodes_lost_fall_back_to_the_disk_checkpoint(tmp_path, subp
     loaded = [e for e in events if e["kind"] == "checkpoint.loaded" and e["ts"] > kill_ts]
     assert loaded and all(e["loaded_from"] == "disk" and e["world_size"] == 2 for e in loaded)
     assert summary["last_step"] == 60
-    for node in ("node0", "node3"):
-        # The survivors' warm spares live on through the restart from disk: the restarted world has
-        # one on each node from its first step, not one importing for seconds.
-        spares = [e for e in events if e["kind"] == "agent.spare_started" and e["source"] == f"agent/{node}"]
-        before = [e["spare_pid"] for e in spares if e["ts"] < kill_ts]
-        after = [e for e in spares if e["ts"] > kill_ts]
-        assert before and after and after[0].get("kept") is True and after[0]["spare_pid"] == before[-1], spares
-    replaced = [e for e in events if e["kind"] == "agent.inprocess_replace" and e["ts"] > kept["ts"]]
-    assert [e["spare_pid"] for e in replaced] == [kept["spare_pid"]], replaced
-    recovered = [e for e in events if e["kind"] == "trainer.recovered" and e["ts"] > kept["ts"]]
-    assert recovered and all(e["path"] == "inprocess" and e["world_size"] == 2 for e in recovered), recovered
 
 
 def test_a_corrupted_snapshot_is_refused_on_read_and_the_run_falls_back_to_disk(tmp_path, subprocess_env):

@@ -35,7 +35,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 from elastic.agent.attempt import AttemptResult, NodeSpec, Outcome, TorchrunAttempt
@@ -190,19 +189,6 @@ def _death_kind(rc: int) -> FailureKind | None:
     return FailureKind.WORKER_SIGNAL if rc < 0 else FailureKind.WORKER_ERROR
 
 
-@dataclass(frozen=True)
-class KeptSpare:
-    """A warm spare that outlives its attempt: the node's next attempt adopts it."""
-
-    process: subprocess.Popen[bytes]
-    log: Path
-
-    def kill(self) -> None:
-        if self.process.poll() is None:
-            self.process.kill()
-        self.process.wait()
-
-
 class InProcessWorkers:
     """The node's workers once torchrun is retired (see the module docstring).
 
@@ -214,7 +200,7 @@ class InProcessWorkers:
     """
 
     def __init__(self, spec: NodeSpec, config: InProcessConfig, state: RunState, events: EventLog,
-                 memstate: MemStateServer | None, epoch: int, kept: KeptSpare | None = None) -> None:
+                 memstate: MemStateServer | None, epoch: int) -> None:
         self.spec, self.config, self.state, self.events = spec, config, state, events
         self.memstate = memstate
         self.epoch = epoch
@@ -227,7 +213,6 @@ class InProcessWorkers:
         self.step = 0  # the newest step a slot's worker reported (where a fault hits)
         self.spare: subprocess.Popen[bytes] | None = None
         self.spare_log = Path()
-        self.kept = kept  # a warm spare the node's previous attempt left alive: adopted at detach()
         self._ready_pid = 0  # the spare whose log said "ready"
         self.spare_deaths: list[float] = []  # when spares died unassigned (a node that keeps killing them)
         self.worker_env: WorkerEnv | None = None
@@ -288,29 +273,8 @@ class InProcessWorkers:
         self.register()
         self.events.emit("agent.torchrun_retired", workers={str(k): v for k, v in sorted(self.pids.items())},
                          gen=self.gen)
-        if self.config.spare and not self._adopt_kept():
+        if self.config.spare:
             self.start_spare()
-
-    def _adopt_kept(self) -> bool:
-        """Take the spare the previous attempt left (alive, never assigned): after a restart from disk
-        the node has a warm spare from its first step on, instead of one importing for seconds (4 at
-        once on 2 shared cores slowed the restarted run's first steps; a worker lost in that window
-        found no spare and cost another restart)."""
-        kept, self.kept = self.kept, None
-        if kept is None or kept.process.poll() is not None:
-            return False
-        self.spare, self.spare_log = kept.process, kept.log
-        self.events.emit("agent.spare_started", spare_pid=kept.process.pid, kept=True)
-        return True
-
-    def leave_spare(self) -> KeptSpare | None:
-        """The live unassigned warm spare (this attempt's, or the one it was handed and never needed),
-        for the node's next attempt; None when there is none."""
-        spare, self.spare = self.spare, None
-        kept, self.kept = self.kept, None
-        if spare is not None and spare.poll() is None and spare.stdin is not None:
-            return KeptSpare(spare, self.spare_log)
-        return kept if kept is not None and kept.process.poll() is None else None
 
     def register(self) -> None:
         """Generation 0 of this epoch: this node's slots and their ranks, in one record (the roster
@@ -726,10 +690,9 @@ class InProcessWorkers:
                         gen=max(self.gen, max(self._rounds, default=0)))
 
     # -- stop -------------------------------------------------------------------------------------------------
-    def stop(self, grace_s: float, keep_spare: bool = False) -> list[int]:
-        """Stop the slots' workers and (unless ``keep_spare``: :meth:`leave_spare` takes it) the spare."""
+    def stop(self, grace_s: float) -> list[int]:
         pids = [pid for local, pid in self.pids.items() if local not in self.finished]
-        if self.spare is not None and not keep_spare:
+        if self.spare is not None:
             pids.append(self.spare.pid)
             self.spare = None
         self._closed.set()

@@ -37,7 +37,7 @@ from elastic.agent.leaving import Leaving
 from elastic.agent.metrics import AgentMetrics, MeteredEventLog
 from elastic.agent.outage import EtcdUnreachable, EtcdWait
 from elastic.agent.records import NodeRecords
-from elastic.agent.inprocess import InProcessWorkers, KeptSpare, inprocess_env, memory_store, peer_address
+from elastic.agent.inprocess import InProcessWorkers, inprocess_env, memory_store, peer_address
 from elastic.agent.metrics import serve_metrics
 from elastic.agent.remote_faults import RemoteFaults
 from elastic.agent.scopes import make_scope
@@ -92,8 +92,6 @@ class NodeAgent:
         self.status = AgentState.INIT
         self.attempt = 0
         self.current: TorchrunAttempt | None = None
-        self._workers: InProcessWorkers | None = None  # the current attempt's, in-process mode
-        self._kept: KeptSpare | None = None  # a warm spare carried from one attempt into the next
         self._stop = threading.Event()
         self._stop_signal: int | None = None
         self._leader: LeaderLoop | None = None
@@ -157,7 +155,6 @@ class NodeAgent:
             self.metrics.close()
             if self.current is not None:
                 self.supervisor.stop_attempt(self.current, "agent exit")
-            self._end_spares()
             self.scope.close(succeeded=self.status == AgentState.SUCCEEDED)
             if self._leader is not None:
                 self._leader.close()
@@ -169,15 +166,6 @@ class NodeAgent:
             self.inbox.close()
             self.events.emit("agent.exit", state=self.status.value, failures=self.failures.failures)
             self.events.close()
-
-    def _end_spares(self) -> None:
-        """The agent leaves: a spare kept for a next attempt goes with it (it would also get its
-        parent-death signal; this reaps it)."""
-        kept = [self._kept, self._workers.leave_spare() if self._workers is not None else None]
-        self._kept = self._workers = None
-        for spare in kept:
-            if spare is not None:
-                spare.kill()
 
     def _run(self) -> int:
         code = self._admit()
@@ -244,17 +232,13 @@ class NodeAgent:
         attempt = self.current = self.new_attempt(epoch, prep.env)
         pid = attempt.start()
         self._set_state(AgentState.RUNNING, epoch=epoch, attempt=self.attempt, torchrun_pid=pid)
-        kept, self._kept = self._kept, None
-        workers = self._workers = (
-            InProcessWorkers(self.spec, self.inprocess, self.state, self.events, self.memstate, epoch, kept)
-            if self.inprocess is not None and self.memstate is not None else None)
+        workers = (InProcessWorkers(self.spec, self.inprocess, self.state, self.events, self.memstate, epoch)
+                   if self.inprocess is not None and self.memstate is not None else None)
         try:
             return self.supervisor.watch(attempt, epoch, lambda: f"signal {self._stop_signal}", workers,
                                          lambda result: self._replace_in_process(result, epoch))
         finally:
             self.current = None
-            self._kept = workers.leave_spare() if workers is not None else None
-            self._workers = None
 
     def new_attempt(self, epoch: int, extra_env: dict[str, str] | None = None) -> TorchrunAttempt:
         """The torchrun attempt number ``self.attempt`` of ``epoch`` (not started)."""

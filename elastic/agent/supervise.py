@@ -84,13 +84,10 @@ class Supervisor:
         self.signals: SignalWatch | None = None
         """The run-wide signals of the attempt being watched (one watch stream, closed with it)."""
 
-    def stop_attempt(self, attempt: TorchrunAttempt, reason: str, keep_spare: bool = False) -> None:
-        """Stop the attempt's workers; ``keep_spare``: the node runs another attempt next (a restart
-        from disk), and its warm spare lives on into it (:meth:`InProcessWorkers.leave_spare`)."""
+    def stop_attempt(self, attempt: TorchrunAttempt, reason: str) -> None:
         workers = self.workers
         if workers is not None and workers.detached:
-            self.events.emit("agent.stop_workers", reason=reason,
-                             pids=workers.stop(self.config.term_grace_s, keep_spare=keep_spare))
+            self.events.emit("agent.stop_workers", reason=reason, pids=workers.stop(self.config.term_grace_s))
         elif attempt.running:
             pids = attempt.stop()
             self.events.emit("agent.stop_workers", reason=reason, pids=pids)
@@ -189,7 +186,7 @@ class Supervisor:
             result = self.workers.poll(self.on_failure)
             if result is not None and result.outcome == Outcome.FAILED:
                 result.numerics_step = self._numerics_step
-                self.stop_attempt(attempt, f"fall back: {result.detail}", keep_spare=True)
+                self.stop_attempt(attempt, f"fall back: {result.detail}")
             return result
         rc = attempt.poll()
         if rc is None:
@@ -261,7 +258,7 @@ class Supervisor:
             return AttemptResult(Outcome.EXCLUDED)
         if current > epoch:
             self.events.emit("agent.epoch_seen", epoch=current, previous=epoch)
-            self.stop_attempt(attempt, f"epoch {current}", keep_spare=True)
+            self.stop_attempt(attempt, f"epoch {current}")
             return AttemptResult(Outcome.PEER_RESTART)
         return None
 
@@ -370,6 +367,6 @@ class Supervisor:
         # Tell the peers first: they are blocked behind this hang and should not each
         # wait out their own stall timeout while this node tears its workers down.
         self.records.quietly("bump_epoch", lambda: self.scope.bump(epoch))
-        self.stop_attempt(attempt, f"{kind.value}: {detail}", keep_spare=True)
+        self.stop_attempt(attempt, f"{kind.value}: {detail}")
         return AttemptResult(Outcome.FAILED, None, kind=kind, detail=detail, attempt_dir=attempt.dir,
                              step=self.monitor.summary()["step"])
