@@ -437,3 +437,12 @@ def test_cpu_timer_counts_the_threads_own_time_not_the_wait():
     time.sleep(0.05)
     wall.stop()
     assert wall.seconds() >= 0.05  # collectives keep the host clock
+
+
+def test_etcd_versions_whose_stalled_leader_revokes_leases():
+    from diagnostics.checks.etcd import stale_leader_revokes
+
+    affected = [("3.5.1", 3), ("3.5.10", 5), ("3.4.23", 3), ("3.3.25", 3)]
+    fixed = [("3.5.11", 3), ("3.5.17", 3), ("3.4.28", 3), ("3.6.0", 3), ("3.5.1", 1), ("", 3), ("garbage", 3)]
+    assert [stale_leader_revokes(v, n) for v, n in affected] == [True] * len(affected)
+    assert [stale_leader_revokes(v, n) for v, n in fixed] == [False] * len(fixed)

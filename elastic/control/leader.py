@@ -67,7 +67,8 @@ class LeaderConfig:
     """A node whose heartbeat vanished is declared lost (the run re-forms without it) only once it has
     stayed away this long; 0: at the first look.  An etcd fault can revoke live agents' leases (a
     paused leader member resumed: every heartbeat but one vanished at once and the run restarted,
-    chaos soak), and their agents re-register within a second or so."""
+    chaos soak; etcd before 3.5.11 lets a deposed leader revoke leases, etcd-io/etcd#15247), and
+    their agents re-register within a second or so."""
 
     def __post_init__(self) -> None:
         if self.ttl_s < 2:

@@ -422,6 +422,12 @@ class EtcdStore:
         resp = self._post("/kv/range", {"key": b64("\0"), "count_only": True}, "revision")
         return int(resp["header"]["revision"])
 
+    def server_status(self) -> tuple[str, int]:
+        """The answering member's etcd version and how many members its cluster has (two reads)."""
+        version = str(self._post("/maintenance/status", {}, "status").get("version", ""))
+        members = self._post("/cluster/member/list", {}, "member list").get("members") or []
+        return version, len(members)
+
     def put(self, key: str, value: bytes | str, lease: int | None = None) -> int:
         body: dict[str, Any] = {"key": b64(key), "value": b64(value)}
         if lease:

@@ -53,7 +53,7 @@ from elastic.worker.channel import EXIT_CHECKPOINT, EXIT_CONFIG, EXIT_NUMERICS, 
 from elastic.worker.checksum import param_checksum, publish_checksum
 from elastic.worker.determinism import set_deterministic
 from elastic.worker.faults import FaultHooks
-from elastic.worker.faultwatch import PeerAborted, hang_until_torn
+from elastic.worker.faultwatch import PeerAborted, hang_until_torn, wait_unless_torn
 from elastic.worker.hangprobe import HangProbe
 from elastic.worker.heap import HeapFreeze
 from elastic.control.generations import Plan
@@ -371,7 +371,7 @@ class WorkerSession:
                 self._sync[i].fill_(value)
         t_sync = time.monotonic()
         with self.probe.collective("sync", self._step):
-            dist.all_reduce(check_device(self._sync))
+            self._all_reduce_sync()
         self._wait = time.monotonic() - t_sync
         if not (watch or saving):
             return
@@ -383,6 +383,15 @@ class WorkerSession:
             line = self.ckpt.agree_failing()
             if line is not None:
                 raise SavesFailing(line)
+
+    def _all_reduce_sync(self) -> None:
+        """The sync point's all-reduce; on the host (gloo) with in-process recovery, waited for in
+        slices that leave once the generation is torn down (:func:`wait_unless_torn`)."""
+        tensor = check_device(self._sync)
+        if self.inproc is None or tensor.device.type != "cpu":
+            dist.all_reduce(tensor)
+            return
+        wait_unless_torn(self.inproc.latch, dist.all_reduce(tensor, async_op=True))
 
     def _watches_saves(self) -> bool:
         """Whether this step's sync carries rank 0's "saves keep failing" flag to every rank.
