@@ -33,3 +33,26 @@ def test_freezes_after_the_first_steps_without_freezing_garbage_and_thaws(tmp_pa
         assert not heap.frozen  # a new world waits for its own first steps
     finally:
         gc.unfreeze()
+
+
+def test_a_rebase_collects_the_old_world_and_freezes_what_outlives_it(tmp_path):
+    """Mid-recovery: the old world's cycles are freed, the survivors frozen at once, and the new
+    world's objects wait for its own first steps (whose collection then walks only them)."""
+    heap = HeapFreeze(EventLog(tmp_path / "e.jsonl", "test"), after_steps=2)
+    try:
+        heap.after_step(1)
+        heap.after_step(2)
+        old_world = weakref.ref(_Cycle())
+        survivor = _Cycle()
+        heap.thaw()
+        heap.rebase()
+        assert old_world() is None and not heap.frozen
+        base = gc.get_freeze_count()
+        assert base > 0 and gc.is_tracked(survivor) and survivor not in gc.get_objects(0)
+        new_world = [_Cycle() for _ in range(50)]
+        heap.after_step(3)
+        assert not heap.frozen and gc.get_freeze_count() == base
+        heap.after_step(4)
+        assert heap.frozen and gc.get_freeze_count() >= base + len(new_world)
+    finally:
+        gc.unfreeze()

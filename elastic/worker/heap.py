@@ -49,3 +49,16 @@ class HeapFreeze:
             gc.unfreeze()
         self.frozen = False
         self.steps = 0
+
+    def rebase(self) -> None:
+        """Mid-recovery, once the old world is dropped and before the new one is built: collect the
+        old world (thawed) and freeze what outlives it (imports, the session), so that the freeze
+        after the new world's first steps walks only the new world's objects.  Why: that freeze's
+        full collection walked the whole heap again, ~360k objects, 0.26-0.8 s on a loaded host after
+        every in-process recovery (counted as neither step nor recovery); the collection here was
+        made anyway, to free the old world's memory before the new one's is allocated."""
+        gc.unfreeze()
+        gc.collect()
+        gc.freeze()
+        self.frozen = False
+        self.steps = 0

@@ -182,10 +182,14 @@ def _join_as_spare(inproc: InProcess, device: torch.device) -> Plan:
     raise AssertionError("unreachable")
 
 
-def _release_memory(device: torch.device) -> None:
+def _release_memory(device: torch.device, heap: HeapFreeze | None) -> None:
     """Before re-forming: the failed step's tensors are garbage by now (no frame holds them);
-    collect them, and hand cached GPU blocks back so the new world's buffers fit."""
-    gc.collect()
+    collect them (what survives is frozen: :meth:`HeapFreeze.rebase`), and hand cached GPU blocks
+    back so the new world's buffers fit."""
+    if heap is not None:
+        heap.rebase()
+    else:
+        gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
 
@@ -270,6 +274,7 @@ class WorkerSession:
         self._wait = 0.0
         self._commit_points = False  # the trainer calls commit_point(): snapshot pushes overlap its steps
         self._sync_points = False  # the trainer calls sync_point(): snapshot copies overlap its steps' starts
+        self._heap: HeapFreeze | None = None  # train()'s, for the recovery's collection (rebase)
         self._step = 0
         self.memory = RecoveryPeak()  # each step's peak RSS, against a re-formation's (trainer.recovered)
 
@@ -455,7 +460,7 @@ class WorkerSession:
         if self.inproc is not None and not self.inproc.joining:
             self.inproc.check_fit(run.state())  # a cap too small stops the run here, not a fault later
         self.screen_gate()
-        heap = HeapFreeze(self.events)
+        heap = self._heap = HeapFreeze(self.events)
         try:
             while step < run.last_step:
                 lost = None
@@ -568,7 +573,7 @@ class WorkerSession:
         if self.ckpt is not None:
             self.ckpt.close()  # the save in flight fails with the world; committed ones stay
             self.ckpt = None
-        _release_memory(self.device)
+        _release_memory(self.device, self._heap)
         for attempt in range(1, REFORM_TRIES + 1):
             try:
                 return self._reform_once(build, t0, lost)
