@@ -56,3 +56,19 @@ def test_a_rebase_collects_the_old_world_and_freezes_what_outlives_it(tmp_path):
         assert heap.frozen and gc.get_freeze_count() >= base + len(new_world)
     finally:
         gc.unfreeze()
+
+
+def test_an_idle_spare_freezes_its_imported_heap_but_never_once_it_took_a_slot(monkeypatch):
+    from elastic.worker import spare
+
+    monkeypatch.setattr(spare, "_assigned", False)
+    try:
+        garbage = weakref.ref(_Cycle())
+        spare._freeze_idle_heap()
+        assert garbage() is None and gc.get_freeze_count() > 0
+        gc.unfreeze()
+        spare._take_slot()
+        spare._freeze_idle_heap()
+        assert gc.get_freeze_count() == 0
+    finally:
+        gc.unfreeze()
