@@ -117,6 +117,7 @@ class InProcess:
         self.rank = -1
         self.phases: dict[str, float] = {}  # the last re-formation's (PhaseClock)
         self.exact: tuple[bool, str] = (True, "")  # the last restore: bitwise the pre-fault state? (why not)
+        self._base = 0  # the generation the last restore's snapshots were taken in
         self.device: torch.device | None = None  # set by the session: groups are bound to it (NCCL: eager init)
         self.latch = FaultLatch(self._abort_world)
         self.latch.gen = self.round.gen
@@ -319,14 +320,23 @@ class InProcess:
     def restore(self, state: dict[str, Any]) -> tuple[int, dict[str, Any], str]:
         """Collective over the new generation: load the agreed step into ``state``.
 
+        The snapshots are read by the generation they were taken in (the *base*) and its ranks, not
+        by the previous plan's: when a generation failed before it trained a step (a second fault
+        while the world re-formed), every snapshot is still of the one before it.  Measured before
+        this: a node lost (the world shrank 4 -> 3), then a survivor's worker killed before the
+        shrunk world trained; the next generation looked for snapshots of the shrunk world's ranks,
+        found none for the rank whose number had changed and fell back to disk
+        (``tests/test_double_fault_e2e.py``).
+
         Returns (step, this rank's per-rank extra or {} when the world changed, where it came from).
         """
         assert self.plan is not None
-        old_world = list(range(self.plan.old_world))
-        offers = _all_gather(self._offers())
-        step = _agree(_holdings(offers), old_world)
+        gathered = _all_gather(self._offers())
+        self._base, base_world, step = _agree_base(gathered)
+        old_world = list(range(base_world))
+        offers = [_of_generation(offer, self._base) for offer in gathered]
         self.exact = self._exactness(old_world)
-        if self.plan.keeps_ranks():
+        if self.exact[0]:
             snap, source = self._own(step)
             _fail_together(snap is None, f"rank {self.rank}: no snapshot of step {step}")
             assert snap is not None
@@ -341,40 +351,52 @@ class InProcess:
         """Whether the restore is bitwise the state every rank held after one step (so the run goes
         on exactly as without the fault), and when not, why.  Every rank restores the one step all
         agreed on; only a changed world (ranks renumbered, shards resharded, another data-parallel
-        split of the batch) changes the trajectory."""
+        split of the batch) changes the trajectory.  Within an epoch a world only keeps its ranks
+        or drops some (the rest renumbered in order), so the same size is the same ranks."""
         assert self.plan is not None
-        if self.plan.keeps_ranks():
+        if len(old_world) == self.plan.world:
             return True, ""
         return False, (f"the world changed from {len(old_world)} to {self.plan.world} ranks in generation "
                        f"{self.plan.gen}: state resharded, batches split anew")
 
     def _own(self, step: int) -> tuple[Snapshot | None, str]:
         snap = self.ring.get(step)
-        if snap is not None and snap.rank == self._old_rank():
+        if snap is not None and (snap.gen, snap.rank) == (self._base, self._base_rank()):
             return snap, "own memory"
         fetched = self._fetch(self.slot, step)
         return fetched, "agent memory"
 
-    def _old_rank(self) -> int:
-        return self.old_rank
-
-    def _offers(self) -> dict[int, list[int]]:
-        """old rank -> snapshot steps this rank can provide (its own, and what its agent holds for lost slots)."""
-        offers: dict[int, list[int]] = {}
-        own = self._old_rank()
-        steps = [s.step for s in self.ring._items if s.rank == own]
-        if not steps and self.client is not None:
-            steps = [m.step for m in self._agent_metas() if (m.node, m.slot) == (self.slot.node, self.slot.local_rank)
-                     and m.rank == own and m.epoch == self.epoch]
-        offers[own] = sorted(set(steps))
+    def _base_rank(self) -> int | None:
+        """This slot's rank in the base generation: its own snapshots', or (a spare) those its agent
+        holds for the slot; None when it holds none of that generation."""
+        for snap in self.ring._items:
+            if snap.gen == self._base:
+                return snap.rank
         for meta in self._agent_metas():
-            if meta.node in self._lost_nodes() and meta.epoch == self.epoch:
-                offers.setdefault(meta.rank, [])
-                offers[meta.rank] = sorted(set(offers[meta.rank]) | {meta.step})
-        return offers
+            if (meta.node, meta.slot, meta.gen, meta.epoch) == (self.slot.node, self.slot.local_rank, self._base,
+                                                                  self.epoch):
+                return meta.rank
+        return None
+
+    def _offers(self) -> dict[tuple[int, int, int], list[int]]:
+        """(generation, world, rank) -> the snapshot steps this rank can provide: its own (or, a spare,
+        its agent's for its slot), and what its agent holds for the slots of lost nodes."""
+        offers: dict[tuple[int, int, int], set[int]] = {}
+        own = [(s.gen, s.world, s.rank, s.step) for s in self.ring._items]
+        metas = self._agent_metas()
+        if not own:
+            own = [(m.gen, m.world_size, m.rank, m.step) for m in metas
+                   if (m.node, m.slot) == (self.slot.node, self.slot.local_rank) and m.epoch == self.epoch]
+        lost = self._lost_nodes()
+        held = [(m.gen, m.world_size, m.rank, m.step) for m in metas if m.node in lost and m.epoch == self.epoch]
+        for gen, world, rank, step in own + held:
+            offers.setdefault((gen, world, rank), set()).add(step)
+        return {key: sorted(steps) for key, steps in offers.items()}
 
     def _lost_nodes(self) -> set[str]:
-        return self.round.lost_nodes()
+        """Every node lost since generation 0 of the epoch: the base may be older than the last round."""
+        plan = self.plan
+        return self.round.lost_nodes() | (set(plan.gone) if plan is not None else set())
 
     def _agent_metas(self) -> list:
         if self.client is None:
@@ -422,13 +444,14 @@ class InProcess:
     def _held(self, step: int, chosen: dict[int, int]) -> dict[int, Snapshot]:
         """The snapshots of ``step`` this rank provides: its own, and the lost slots' given to it."""
         held: dict[int, Snapshot] = {}
-        if chosen.get(self._old_rank()) == self.rank:
+        base_rank = self._base_rank()
+        if base_rank is not None and chosen.get(base_rank) == self.rank:
             own, _ = self._own(step)
             if own is not None:
                 held[own.rank] = own
         for meta in self._agent_metas():
             if chosen.get(meta.rank) == self.rank and meta.rank not in held and meta.step == step \
-                    and meta.node in self._lost_nodes() and meta.epoch == self.epoch:
+                    and meta.gen == self._base and meta.node in self._lost_nodes() and meta.epoch == self.epoch:
                 fetched = self._fetch(Slot(meta.node, meta.slot), step)
                 if fetched is not None:
                     held[meta.rank] = fetched
@@ -532,12 +555,29 @@ def _all_gather(obj: Any) -> list[Any]:
     return out
 
 
-def _holdings(gathered: list[dict[int, list[int]]]) -> dict[int, set[int]]:
-    held: dict[int, set[int]] = {}
+def _agree_base(gathered: list[dict[tuple[int, int, int], list[int]]]) -> tuple[int, int, int]:
+    """(generation, world, step): the newest step of which some generation's every rank has a
+    snapshot on offer; raises RecoveryUnavailable (naming the newest generation's gaps) when none."""
+    bases: dict[tuple[int, int], dict[int, set[int]]] = {}
     for offers in gathered:
-        for old_rank, steps in offers.items():
-            held.setdefault(int(old_rank), set()).update(steps)
-    return held
+        for (gen, world, rank), steps in offers.items():
+            bases.setdefault((gen, world), {}).setdefault(rank, set()).update(steps)
+    found: list[tuple[int, int, int]] = []
+    failure: RecoveryUnavailable | None = None
+    for (gen, world), held in sorted(bases.items()):
+        try:
+            found.append((_agree(held, list(range(world))), gen, world))
+        except RecoveryUnavailable as exc:
+            failure = RecoveryUnavailable(f"generation {gen}: {exc}")
+    if not found:
+        raise failure or RecoveryUnavailable("no rank offers a snapshot")
+    step, gen, world = max(found)
+    return gen, world, step
+
+
+def _of_generation(offers: dict[tuple[int, int, int], list[int]], gen: int) -> dict[int, list[int]]:
+    """One rank's offers of generation ``gen``, by that generation's ranks."""
+    return {rank: steps for (g, _, rank), steps in offers.items() if g == gen}
 
 
 def _agree(held: dict[int, set[int]], expected: list[int]) -> int:
