@@ -55,6 +55,23 @@ def test_a_wait_for_a_faulted_generation_ends_at_once():
     assert board.wait(0, 3, "plan", 5.0) == {"ok": True, "value": {"gen": 3}}
 
 
+def test_a_nodes_loss_pushed_before_the_plan_waits_for_the_plan_to_judge_it():
+    """A loss pushed for generation 1 before its plan: the wait goes on; a plan that left the node
+    out answers it (nothing broke); a plan that counts the node is faulted."""
+    board = RoundBoard()
+    board.post_fault(0, {"gen": 1, "node": "n2", "kind": "node_lost"})
+    assert "faulted" not in board.wait(0, 1, "plan", 0.05)  # timed out waiting, not faulted
+    assert board.wait(0, 1, "store", 0.05)["faulted"]  # a store is waited for once the plan is known
+    threading.Timer(0.05, lambda: board.post(0, 1, "plan", {"plan": {"gen": 1, "lost": ["n2"]}})).start()
+    assert board.wait(0, 1, "plan", 5.0)["ok"]
+    assert board.wait(0, 1, "store", 0.05).get("faulted") is None  # the plan left n2 out: 1 stands
+    board.post_fault(0, {"gen": 2, "node": "n3", "kind": "node_lost"})
+    board.post(0, 2, "plan", {"plan": {"gen": 2, "lost": []}})
+    assert board.wait(0, 2, "store", 5.0)["faulted"]  # the plan counts n3: 2 broke
+    board.post_fault(0, {"gen": 3, "node": "n1", "kind": "worker_died"})
+    assert board.wait(0, 3, "plan", 5.0)["faulted"]  # a dead worker breaks its generation at once
+
+
 def test_a_faulted_generation_reaches_the_worker_as_a_peer_failure_it_retries():
     """Over the real memory store: the worker's wait raises GenerationFaulted, and the worker's
     judgement (is_peer_failure, as after a collective's error) re-forms for the next generation."""
@@ -66,7 +83,7 @@ def test_a_faulted_generation_reaches_the_worker_as_a_peer_failure_it_retries():
     server = MemStateServer(1 << 20)
     try:
         client = MemStateClient(server.addr, server.token, 5.0)
-        server.board.post_fault(0, {"gen": 3, "node": "n2", "kind": "node_lost"})
+        server.board.post_fault(0, {"gen": 3, "node": "n2", "kind": "worker_died"})
         with pytest.raises(GenerationFaulted, match="generation 3 was faulted"):
             client.round_wait(0, 3, "store", 5.0)
         env = WorkerEnv(node_id="n1", run_id="r", etcd_endpoint="127.0.0.1:1", run_prefix="/p", epoch="0",
