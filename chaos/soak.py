@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 import random
 import re
+import shutil
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -251,6 +252,10 @@ def _job(cfg: SoakConfig) -> tuple[Job, SuiteConfig]:
 
 def _soak_run(cfg: SoakConfig, job: Job, faults: list[FaultSpec], stamp: str) -> tuple[dict, ClusterOutcome]:
     base = cfg.out_dir / "soak"
+    # A soak starts from nothing, as a suite's scenario does: an earlier soak's run directory would be
+    # resumed from its checkpoints, and its 3-member etcd's data directory kept the new members from
+    # forming a cluster (a second `chaos soak` to the same --out failed after 30 s on etcd's health).
+    shutil.rmtree(base, ignore_errors=True)
     n = len(job.nodes)
     spec = ClusterSpec(job.config, f"{job.cfg.run.id}-soak-{stamp}"[:64], base / "run", job.nodes, str(n),
                        child_env(), key_prefix=job.cfg.rendezvous.key_prefix, steps=job.steps,

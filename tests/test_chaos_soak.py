@@ -60,10 +60,16 @@ def _check_report(out: Path, proc: subprocess.CompletedProcess) -> dict:
 @pytest.mark.timeout(900)
 def test_three_minute_soak_with_a_spare_kill_a_kill_mid_recovery_and_an_etcd_member_stop(tmp_path, subprocess_env):
     out = tmp_path / "soak"
+    stale = out / "soak" / "etcd" / "member-0" / "member" / "wal"  # an earlier soak's, as a second run finds it
+    stale.mkdir(parents=True)
+    (stale / "0000000000000000-0000000000000000.wal").write_bytes(b"not a wal")
+    (out / "soak" / "run").mkdir()
+    (out / "soak" / "run" / "earlier.txt").write_text("an earlier soak's run")
     proc = _soak(out, subprocess_env, "--nodes", "4", "--duration", "70s", "--mtbf", "8s", "--seed", "1",
                  "--faults", ",".join(sorted(NEW_FAULTS | {"kill_worker", "nan"})), "--steps", "350",
                  "--set", "agent.preflight.enabled=false", "--timeout-s", "420", timeout=880)
     report = _check_report(out, proc)
+    assert not (out / "soak" / "run" / "earlier.txt").exists()  # the soak started from nothing
     assert report["nodes"] == 4 and report["etcd_members"] == 3  # the member stop asked for three
     assert NEW_FAULTS <= set(report["per_kind"])
     assert report["per_kind"]["kill_during_recovery"]["during_recovery"] >= 1  # it did land in a recovery
