@@ -63,6 +63,17 @@ def test_two_simultaneous_worker_kills_are_one_recovery_from_the_last_step_to_th
     _assert_partition(g)
 
 
+def test_a_chaos_harness_bookkeeping_after_the_run_is_not_the_runs_wall_time():
+    """A soak's harness reads etcd and writes its verdicts once the nodes are gone (2.8-3.8 s in a
+    10-minute soak): that was "other" in the soak and in its replay alike.  Its events during the run
+    still count (the run's wall begins at the launcher either way)."""
+    ev = _two_simultaneous_kills() + [_ev("chaos.inject", 14.0, "chaos", fault="kill_worker")]
+    tail = [_ev("chaos.exclusions", 27.3, "chaos", nodes=[]), _ev("chaos.end", 27.4, "chaos", rc=0)]
+    g, with_tail = compute_goodput(ev), compute_goodput(ev + tail)
+    assert with_tail == g and g["wall_s"] == pytest.approx(24.5)
+    _assert_partition(with_tail)
+
+
 def test_a_kill_of_rank_0_is_recovered_by_the_spare_that_took_its_slot():
     ev = [_ev("launcher.start", 0.0, "launcher"), _ev("trainer.start", 1.0, step=0)]
     ev += _steps(1.2, range(1, 11))  # end 1.2..3.0
