@@ -479,3 +479,41 @@ def test_a_node_loss_pushed_for_a_generation_whose_plan_left_the_node_out_breaks
     assert waited["ok"] is False and "faulted" not in waited
     board.post_fault(0, {"gen": 2, "node": "node2", "kind": "node_lost"})
     assert board.wait(0, 1, "store", 0.05)["faulted"]
+
+
+_ABORT_RAISES = textwrap.dedent("""
+    import contextlib, json
+    import torch, torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+    from elastic.worker.inprocess import abort_generation
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    dist.new_group([0])                       # a mesh's subgroup, as FSDP's are
+
+    @contextlib.contextmanager
+    def window_that_fails(group=None, device=None, *args, **kwargs):
+        yield                                 # the aborts run here
+        raise RuntimeError("a collective issued in the window failed on the aborted group")
+
+    c10d._coalescing_manager = window_that_fails
+    figures = abort_generation(set())
+    left = dist.is_initialized()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    t = torch.ones(2)
+    dist.all_reduce(t)
+    print(json.dumps({"figures": figures, "initialized_after_abort": left, "reduced": t.tolist()}))
+""")
+
+
+def test_a_generation_whose_abort_raises_is_forgotten_so_the_next_one_forms(subprocess_env):
+    """``_abort_process_group`` aborts inside a coalescing window; a collective issued into that
+    window makes the window's end raise, after the aborts but before the world's tables are cleared.
+    The teardown then clears them itself: the next ``init_process_group`` forms (before, it raised
+    "trying to initialize the default process group twice")."""
+    proc = subprocess.run([sys.executable, "-c", _ABORT_RAISES], capture_output=True, text=True, timeout=60,
+                          env=subprocess_env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["figures"]["abort_error"] is True and "aborted group" in out["figures"]["error"]
+    assert out["figures"]["groups_aborted"] == 2
+    assert out["initialized_after_abort"] is False and out["reduced"] == [1.0, 1.0]

@@ -497,9 +497,33 @@ def abort_generation(keep_ports: set[int]) -> dict[str, Any]:
             dist.distributed_c10d._abort_process_group()
         except Exception as exc:  # noqa: BLE001 - the sockets below are cut anyway
             figures.update(abort_error=True, error=f"{type(exc).__name__}: {exc}"[:300])
+            _forget_world()
     figures["connections"] = sever_connections(keep_ports)
     figures["teardown_s"] = round(time.monotonic() - t0, 4)
     return figures
+
+
+_WORLD_TABLES = ("pg_map", "pg_names", "pg_group_ranks", "pg_backend_config", "pg_to_tag", "tags_to_pg",
+                 "pg_coalesce_state", "pg_flight_recorder_hooks")
+
+
+def _forget_world() -> None:
+    """What ``_abort_process_group`` does after its aborts, for when they raised: the default group
+    unset and every table of groups cleared, so the next generation's ``init_process_group`` does not
+    fail with "initialize the default process group twice".  Why it can raise: the aborts run inside
+    a ``_coalescing_manager`` window, and a collective another thread issues on the default group in
+    that window joins the window's op list; the window's end then runs it on the aborted group.  On
+    gloo the GIL keeps that window shut (200 tries, never hit); ``ncclCommAbort`` may release it."""
+    c10d = dist.distributed_c10d
+    c10d._update_default_pg(None)
+    for name in _WORLD_TABLES:
+        table = getattr(c10d._world, name, None)
+        if table is not None:
+            table.clear()
+    unregister = getattr(c10d, "_unregister_all_process_groups", None)
+    if unregister is not None:
+        unregister()
+    c10d._world.group_count = 0
 
 
 def _drain_device(device: torch.device | None, timeout_s: float) -> None:
