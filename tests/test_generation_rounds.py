@@ -55,18 +55,19 @@ class Probes:
 
 def _rounds(gens: Generations, gen: int, nodes: list[str], probes: Probes, previous: Plan | None = None,
             delay: dict[str, float] | None = None, timeout_s: float = 5.0, takeover_s: float = 5.0,
-            roster: dict | None = None) -> dict[str, Plan | Exception]:
-    """Every node of ``nodes`` joins generation ``gen`` in a thread (after ``delay``); node -> plan or error."""
+            roster: dict | None = None, **hold) -> dict[str, Plan | Exception]:
+    """Every node of ``nodes`` joins generation ``gen`` in a thread (after ``delay``); node -> plan or
+    error.  A node the previous generation lost joins with its slots and no rank (it came back)."""
     roster = roster or gens.roster()
     ranks = ranks_at(roster, previous)
     out: dict[str, Plan | Exception] = {}
 
     def one(node: str) -> None:
         time.sleep((delay or {}).get(node, 0.0))
-        mine = {local: ranks[Slot(node, local)] for local in roster[node]}
+        mine = {local: ranks.get(Slot(node, local), -1) for local in roster[node]}
         notice = (KEYS.noticed(0, gen - 1), json.dumps({"by": node, "kind": "peer_lost"}))
         round_ = NodeRound(gens, node, gen, mine, previous, probes.of(node), timeout_s, poll_s=0.05,
-                           takeover_s=takeover_s, notice=notice)
+                           takeover_s=takeover_s, notice=notice, **hold)
         try:
             out[node] = round_.run()
         except GenerationFailed as exc:
@@ -103,6 +104,58 @@ def test_a_plan_is_a_delta_that_keeps_rank_order():
     second = plan_next(2, roster, shrunk, {"n0": {0: 0, 1: 1}}, {"n2"})
     assert second.old_world == 4 and second.dropped == (2, 3) and second.world == 2
     assert second.gone == ("n1", "n2") and second.dropped0 == (2, 3, 4, 5) and second.nodes == 1
+
+
+def test_a_lost_node_that_joins_again_is_readmitted_with_its_generation_0_ranks():
+    """n1 lost in generation 1 (the world shrank 6 -> 4); it comes back and joins generation 2: the
+    plan puts its slots back at their generation-0 ranks, every other rank shifts back with them."""
+    roster = _roster(3)
+    shrunk = plan_next(1, roster, None, {"n0": roster["n0"], "n2": roster["n2"]}, {"n1"})
+    assert [shrunk.rank_of0(r) for r in range(6)] == [0, 1, None, None, 2, 3]
+    back = plan_next(2, roster, shrunk, {"n0": {0: 0, 1: 1}, "n2": {0: 2, 1: 3}, "n1": {0: -1, 1: -1}}, set())
+    assert back.returned == ("n1",) and back.added == (2, 3) and back.world == 6 and back.nodes == 3
+    assert back.gone == () and back.dropped0 == () and back.dropped == () and back.lost == ()
+    assert [back.rank_of0(r) for r in range(6)] == [0, 1, 2, 3, 4, 5]
+    assert Plan.from_record(json.loads(back.to_json())) == back
+    assert ranks_at(roster, back) == {Slot(n, local): r for n, slots in roster.items() for local, r in slots.items()}
+    # Without its join the round closes as before: n1 stays gone.
+    still = plan_next(2, roster, shrunk, {"n0": {0: 0, 1: 1}, "n2": {0: 2, 1: 3}}, set())
+    assert still.returned == () and still.world == 4 and still.gone == ("n1",)
+    # Back while another node is lost in the same round: one in, one out.
+    swap = plan_next(2, roster, shrunk, {"n0": {0: 0, 1: 1}, "n1": {0: -1, 1: -1}}, {"n2"})
+    assert swap.returned == ("n1",) and swap.lost == ("n2",) and swap.gone == ("n2",)
+    assert swap.dropped0 == (4, 5) and swap.world == 4 and [swap.rank_of0(r) for r in range(6)] == [0, 1, 2, 3, None, None]
+
+
+def test_a_round_short_of_a_fixed_size_run_holds_until_the_lost_node_returns():
+    """Generation 1 lost n0 (4 nodes -> 3).  The round of generation 2 would close short again: its
+    coordinator holds it until n0's agent, restarted, joins it; every node gets the plan with n0 back."""
+    gens = _registered(4)
+    shrunk = gens.close(plan_next(1, gens.roster(), None, {f"n{i}": _roster(4)[f"n{i}"] for i in (1, 2, 3)}, {"n0"}))
+    out = _rounds(gens, 2, ["n0", "n1", "n2", "n3"], Probes(), previous=shrunk, delay={"n0": 0.6},
+                  min_nodes=4, rejoin_wait_s=5.0)
+    plan = _one_plan(out)
+    assert plan.returned == ("n0",) and plan.nodes == 4 and plan.world == 8 and plan.gone == ()
+    assert plan.by == "n1"
+
+
+def test_a_held_round_closes_short_once_the_wait_is_over_and_a_loss_in_the_round_holds_nothing():
+    gens = _registered(4)
+    # The round that loses n0 closes at once, short: n0 cannot rejoin a round that declared it lost.
+    t0 = time.monotonic()
+    first = _one_plan(_rounds(gens, 1, ["n1", "n2", "n3"], Probes({"n0"}), min_nodes=4, rejoin_wait_s=5.0))
+    assert first.nodes == 3 and first.lost == ("n0",) and time.monotonic() - t0 < 2.0
+    # The next one holds for n0, who does not come: it closes short after rejoin_wait_s.
+    t0 = time.monotonic()
+    second = _one_plan(_rounds(gens, 2, ["n1", "n2", "n3"], Probes(), previous=first, min_nodes=4,
+                               rejoin_wait_s=0.5))
+    held = time.monotonic() - t0
+    assert second.nodes == 3 and second.gone == ("n0",) and second.returned == () and 0.5 <= held < 3.0
+    # An elastic run above its minimum never holds.
+    t0 = time.monotonic()
+    third = _one_plan(_rounds(gens, 3, ["n1", "n2", "n3"], Probes(), previous=second, min_nodes=3,
+                              rejoin_wait_s=5.0))
+    assert third.nodes == 3 and time.monotonic() - t0 < 2.0
 
 
 def test_a_slot_replaced_in_place_keeps_every_rank_and_what_was_lost_before():

@@ -78,17 +78,30 @@ class Plan:
     dropped0: tuple[int, ...] = ()
     """Generation-0 ranks not in this generation, sorted."""
     by: str = ""
+    added: tuple[int, ...] = ()
+    """Generation-0 ranks back in this generation: a lost node's slots, its node returned (rejoined)."""
+    returned: tuple[str, ...] = ()
+    """Nodes this generation re-admitted (lost before, back now with the same slots)."""
 
     @property
     def world(self) -> int:
-        return self.old_world - len(self.dropped)
+        return self.old_world - len(self.dropped) + len(self.added)
 
     def rank_of(self, old_rank: int) -> int | None:
-        """The rank in this generation of the slot that held ``old_rank`` (None: it left)."""
+        """The rank in this generation of the slot that held ``old_rank`` (None: it left).  Only for a
+        plan that re-admitted no one (``added`` shifts the ranks after it): :meth:`rank_of0` always works."""
         i = bisect.bisect_left(self.dropped, old_rank)
         if not 0 <= old_rank < self.old_world or (i < len(self.dropped) and self.dropped[i] == old_rank):
             return None
         return old_rank - i
+
+    def rank_of0(self, rank0: int) -> int | None:
+        """The rank in this generation of the slot that held ``rank0`` in generation 0 (None: not in
+        it).  Ranks keep generation 0's order, renumbered from 0 past the ranks not in the world."""
+        i = bisect.bisect_left(self.dropped0, rank0)
+        if rank0 < 0 or (i < len(self.dropped0) and self.dropped0[i] == rank0):
+            return None
+        return rank0 - i
 
     def keeps_ranks(self) -> bool:
         """The world kept its size and every member its rank: local shards restore as they are."""
@@ -97,13 +110,15 @@ class Plan:
     def to_json(self) -> str:
         return json.dumps({"gen": self.gen, "old_world": self.old_world, "dropped": list(self.dropped),
                            "nodes": self.nodes, "lost": list(self.lost), "gone": list(self.gone),
-                           "dropped0": list(self.dropped0), "by": self.by})
+                           "dropped0": list(self.dropped0), "by": self.by, "added": list(self.added),
+                           "returned": list(self.returned)})
 
     @classmethod
     def from_record(cls, record: dict[str, Any]) -> Plan:
         return cls(int(record["gen"]), int(record["old_world"]), tuple(int(r) for r in record.get("dropped", [])),
                    int(record.get("nodes", 0)), tuple(record.get("lost", [])), tuple(record.get("gone", [])),
-                   tuple(int(r) for r in record.get("dropped0", [])), str(record.get("by", "")))
+                   tuple(int(r) for r in record.get("dropped0", [])), str(record.get("by", "")),
+                   tuple(int(r) for r in record.get("added", [])), tuple(record.get("returned", [])))
 
 
 def ranks_at(roster: Roster, previous: Plan | None) -> dict[Slot, int]:
@@ -117,7 +132,9 @@ def ranks_at(roster: Roster, previous: Plan | None) -> dict[Slot, int]:
 def plan_next(gen: int, roster: Roster, previous: Plan | None, joined: dict[str, dict[int, int]],
               lost: set[str], by: str = "") -> Plan | None:
     """The plan of generation ``gen`` once every node of generation ``gen - 1`` joined or was lost,
-    else None.  ``joined``: node -> the slots its join record lists (a slot it left out is gone)."""
+    else None.  ``joined``: node -> the slots its join record lists (a slot it left out is gone).
+    A node lost before that joined again (its agent came back: :func:`returning`) is re-admitted with
+    its generation-0 slots and ranks."""
     gone_before = set(previous.gone) if previous else set()
     expected = set(roster) - gone_before
     if not expected or not expected <= set(joined) | lost:
@@ -127,12 +144,20 @@ def plan_next(gen: int, roster: Roster, previous: Plan | None, joined: dict[str,
                if n in lost or local not in joined.get(n, {})]
     leaving = [s for s in leaving if s in ranks]
     remaining = expected - lost
+    back = returning(roster, previous, joined, lost)
     if not remaining:
         return None
-    return Plan(gen, len(ranks), tuple(sorted(ranks[s] for s in leaving)), len(remaining),
-                tuple(sorted(lost & expected)), tuple(sorted(gone_before | (lost & expected))),
-                tuple(sorted(set(previous.dropped0 if previous else ()) | {roster[s.node][s.local_rank]
-                                                                            for s in leaving})), by)
+    added = {roster[n][local] for n in back for local in joined[n] if local in roster[n]}
+    dropped0 = (set(previous.dropped0 if previous else ()) | {roster[s.node][s.local_rank] for s in leaving}) - added
+    return Plan(gen, len(ranks), tuple(sorted(ranks[s] for s in leaving)), len(remaining) + len(back),
+                tuple(sorted(lost & expected)), tuple(sorted((gone_before | (lost & expected)) - set(back))),
+                tuple(sorted(dropped0)), by, tuple(sorted(added)), tuple(back))
+
+
+def returning(roster: Roster, previous: Plan | None, joined: dict[str, dict[int, int]], lost: set[str]) -> list[str]:
+    """Nodes a generation before ``previous`` lost that joined this round (sorted)."""
+    gone_before = set(previous.gone) if previous else set()
+    return sorted(n for n in set(joined) & gone_before if n in roster and n not in lost)
 
 
 def plan_in_place(gen: int, roster: Roster, previous: Plan | None, by: str) -> Plan:
@@ -258,6 +283,17 @@ class Generations:
 
     def plan(self, gen: int) -> Plan | None:
         return _plan(self.store.get(self.keys.gen_plan(self.epoch, gen)))
+
+    def newest_plan(self, gaps: int = 3) -> Plan | None:
+        """The plan of the epoch's newest generation (None: no generation re-formed yet), one read per
+        generation: a round that failed wrote no plan, so up to ``gaps`` missing ones in a row are
+        passed over.  (A read of the epoch's prefix would return every join of every round.)"""
+        newest, gen, missed = None, 1, 0
+        while missed < gaps:
+            plan = self.plan(gen)
+            newest, missed = (plan, 0) if plan is not None else (newest, missed + 1)
+            gen += 1
+        return newest
 
     def put_store(self, gen: int, addr: str) -> None:
         """Where generation ``gen``'s c10d store listens (its rank 0 serves it)."""

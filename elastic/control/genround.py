@@ -45,7 +45,8 @@ class NodeRound:
                  probe: Probe, timeout_s: float, on_lost: Callable[[str, str], None] = lambda node, why: None,
                  emit: Emit = lambda kind, **fields: None, poll_s: float = 0.2, takeover_s: float = 5.0,
                  clock: Callable[[], float] = time.monotonic, stopped: Callable[[], bool] = lambda: False,
-                 notice: tuple[str, str] | None = None, reprobe_s: float = 1.0) -> None:
+                 notice: tuple[str, str] | None = None, reprobe_s: float = 1.0, min_nodes: int = 0,
+                 rejoin_wait_s: float = 0.0) -> None:
         self.gens, self.node, self.gen, self.slots = gens, node, gen, slots
         self.previous = previous
         self.probe, self.on_lost, self.emit = probe, on_lost, emit
@@ -56,6 +57,10 @@ class NodeRound:
         # once a reprobe_s: probing every node every poll made the coordinator connect to ~1,000
         # slow-but-alive agents five times a second while they joined.
         self.reprobe_s = reprobe_s
+        # A fixed-size run's coordinator holds a round short of min_nodes while a node lost before it
+        # may come back (_holding): the returning node joins it and is re-admitted (plan_next).
+        self.min_nodes, self.rejoin_wait_s = min_nodes, rejoin_wait_s
+        self._held = False
         self.gone = set(previous.gone) if previous else set()
         self.state = RoundState(0)
         self.head: list[str] = []
@@ -207,12 +212,26 @@ class NodeRound:
         assert self._roster is not None
         self.state.joined.setdefault(self.node, self.slots)  # our own join, read or not yet seen
         plan = plan_next(self.gen, self._roster, self.previous, self.state.joined, self.state.lost, by=self.node)
-        if plan is None:
+        if plan is None or self._holding(plan):
             return
         self.state.plan = self.gens.close(plan)
         self.emit("round.closed", gen=self.gen, world=self.state.plan.world, nodes=self.state.plan.nodes,
                   lost=list(self.state.plan.lost), by=self.state.plan.by,
                   close_s=round(self.clock() - self._started, 3))
+
+    def _holding(self, plan: Plan) -> bool:
+        """Whether to keep ``plan`` unwritten: it has fewer nodes than the run needs, a node lost in an
+        earlier generation is still away, and ``rejoin_wait_s`` has not passed.  A node lost in this
+        very round cannot rejoin it (declared lost here): that round closes at once, short, and the
+        workers, told so, ask for the next one, which holds."""
+        away = sorted(set(self.previous.gone if self.previous else ()) - set(plan.returned))
+        if plan.nodes >= self.min_nodes or not away or self.clock() - self._started >= self.rejoin_wait_s:
+            return False
+        if not self._held:
+            self._held = True
+            self.emit("round.rejoin_wait", gen=self.gen, nodes=plan.nodes, needed=self.min_nodes, away=away[:20],
+                      wait_s=self.rejoin_wait_s)
+        return True
 
     def _timeout_text(self) -> str:
         if self.role == "coordinator" and self._roster is not None:
