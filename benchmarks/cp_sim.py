@@ -156,7 +156,8 @@ class SimNode:
         self.state = RunState(self._store(), self.keys)
         self.addr = addr
         spec = NodeSpec("bench", self.node_id, args.endpoint, run_dir, str(args.total), args.rpn, ["-c", "pass"])
-        config = InProcessConfig(join_timeout_s=args.join_timeout, spare=False)
+        # A simulated loss shrinks the run: no round holds for the lost node to come back (rejoin_wait_s).
+        config = InProcessConfig(join_timeout_s=args.join_timeout, spare=False, rejoin_wait_s=0)
         self.workers = InProcessWorkers(spec, config, self.state, self.events, None, 0)
         self.sup = Supervisor(self.node_id, AgentConfig(), self.state, self.events,
                               SimpleNamespace(run_dir=run_dir), None, RunScope(spec, self.state, self.events),  # type: ignore[arg-type]

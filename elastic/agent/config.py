@@ -115,6 +115,13 @@ class InProcessConfig:
     size needed and the size allowed (raise it, or set ``snapshots: false``).  The agent's own memory
     for them is at most 1.5x this (a reused receive buffer per buddy shard); its workers' shards it
     maps from their shared memory rather than copying."""
+    rejoin_wait_s: float = 30.0
+    """A fixed-size run (``launch.nodes: N``) that lost a node cannot shrink: its survivors keep
+    their processes and wait this long for the node to come back (its agent restarted with the same
+    node id: a requeued job step, a rescheduled pod), which then rejoins the running world in-process
+    with its snapshots from its buddy node, instead of every node restarting from disk.  A fixed-size
+    run cannot train without the node anyway: the restart would wait for it too.  0: restart from
+    disk at once.  Must be below ``join_timeout_s`` (the workers' wait for the next generation)."""
     snapshot_ab_block: int = 0
     """For measuring the snapshots' cost within one run (``benchmarks/recovery.py``): alternate
     blocks of this many steps with and without snapshots, so both halves of the comparison share the
@@ -128,6 +135,8 @@ class InProcessConfig:
             raise ConfigError("snapshot_mib", "must be >= 1")
         if self.snapshot_ab_block < 0:
             raise ConfigError("snapshot_ab_block", "must be >= 0")
+        if not 0 <= self.rejoin_wait_s < self.join_timeout_s:
+            raise ConfigError("rejoin_wait_s", f"must be >= 0 and below join_timeout_s ({self.join_timeout_s:g})")
 
     def snapshots_env(self) -> str:
         """The workers' ``ELASTIC_SNAPSHOTS``: ``1``, ``0``, or ``ab:N`` (:attr:`snapshot_ab_block`)."""

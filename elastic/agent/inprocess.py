@@ -41,7 +41,7 @@ from elastic.agent.attempt import AttemptResult, NodeSpec, Outcome, TorchrunAtte
 from elastic.agent.classify import FailureKind, stopping_failure
 from elastic.agent.config import InProcessConfig
 from elastic.agent.peerwatch import PeerWatch
-from elastic.checkpoint.memclient import ClientPool
+from elastic.checkpoint.memclient import ClientPool, MemStateClient
 from elastic.checkpoint.memstate import Chunk, MemStateError, MemStateServer, RoundBoard, SnapMeta
 from elastic.common.env import WorkerEnv
 from elastic.common.events import EventLog
@@ -140,18 +140,22 @@ def inprocess_env(memstate: MemStateServer | None, config: InProcessConfig | Non
     return {"memstate_addr": memstate.addr if memstate else "", "memstate_token": memstate.token if memstate else "",
             "inprocess": f"{config.join_timeout_s:g}" if config else "",
             "snapshots": config.snapshots_env() if config else "",
+            "rejoin_wait": f"{config.rejoin_wait_s:g}" if config else "",
             "agent_pid": str(os.getpid()) if config else ""}
 
 
 def ring_successor(node_id: str, nodes: dict[str, dict]) -> tuple[str, str, str] | None:
     """The next node after ``node_id`` (by id, wrapping) that publishes a snapshot store."""
+    ring = _successors(node_id, nodes)
+    return ring[0] if ring else None
+
+
+def _successors(node_id: str, nodes: dict[str, dict]) -> list[tuple[str, str, str]]:
+    """Every other node that publishes a snapshot store, in ring order after ``node_id``."""
     stores = {n: r["memstate"] for n, r in nodes.items() if isinstance(r.get("memstate"), dict) and n != node_id}
-    if not stores:
-        return None
     order = sorted(stores)
-    after = [n for n in order if n > node_id]
-    node = (after or order)[0]
-    return node, stores[node]["addr"], stores[node]["token"]
+    ring = [n for n in order if n > node_id] + [n for n in order if n < node_id]
+    return [(n, stores[n]["addr"], stores[n]["token"]) for n in ring]
 
 
 _FEW = 8
@@ -217,6 +221,8 @@ class InProcessWorkers:
         self.spare_deaths: list[float] = []  # when spares died unassigned (a node that keeps killing them)
         self.worker_env: WorkerEnv | None = None
         self.ranks: dict[int, int] = {}  # local slot -> its rank in generation self.gen
+        self.ranks0: dict[int, int] = {}  # local slot -> its rank in generation 0 (the roster's)
+        self.needed_nodes = int(str(spec.nnodes).partition(":")[0])  # launch.nodes (MIN of MIN:MAX)
         self.plan: Plan | None = None  # the newest generation's plan (the next round builds on it)
         self.wanted = 0  # the newest generation a worker asked for (a fault report, a wait, a replacement)
         self._rounds: set[int] = set()  # generations this node joined (one round thread each)
@@ -279,6 +285,7 @@ class InProcessWorkers:
     def register(self) -> None:
         """Generation 0 of this epoch: this node's slots and their ranks, in one record (the roster
         every round's coordinator starts from)."""
+        self.ranks0 = dict(self.ranks)
         try:
             self.gens.register_node(self.spec.node_id, self.ranks)
         except StoreError as exc:
@@ -448,12 +455,24 @@ class InProcessWorkers:
     def _replace(self, local: int, detail: str, gen: int) -> bool:
         """Hand the slot to the spare, to join generation ``gen``; False when the spare cannot take it
         (the attempt falls back: a replacement that failed never passes for a recovery)."""
+        if not self._assign(local, gen):
+            return False
+        self.replaced_in_place(gen)
+        self.on_replace()
+        self.events.emit("agent.inprocess_replace", local_rank=local, spare_pid=self.pids[local], gen=gen,
+                         detail=detail)
+        return True
+
+    def _assign(self, local: int, gen: int, screen: str = "") -> bool:
+        """The spare takes slot ``local`` and joins generation ``gen``; False (a new spare started)
+        when it cannot take it.  ``screen``: the node screen's spec, for the first slot of a node
+        that rejoins (its first step waits for the verdict, as a first worker's does)."""
         assert self.spare is not None and self.worker_env is not None and self._attempt is not None
         spare, self.spare = self.spare, None
         # LOCAL_WORLD_SIZE as torchrun gives its workers: the snapshot budget and replay verification's
         # roles divide by it (a spare without it took itself for its node's only rank).
-        env = {**self.worker_env.to_env(), "ELASTIC_JOIN_GEN": str(gen), "LOCAL_RANK": str(local), "ELASTIC_SCREEN": "",
-               "LOCAL_WORLD_SIZE": str(self.spec.nproc_per_node),
+        env = {**self.worker_env.to_env(), "ELASTIC_JOIN_GEN": str(gen), "LOCAL_RANK": str(local),
+               "ELASTIC_SCREEN": screen, "LOCAL_WORLD_SIZE": str(self.spec.nproc_per_node),
                "TORCHELASTIC_ERROR_FILE": str(self._attempt.dir / f"error-spare-{spare.pid}.json")}
         try:
             assert spare.stdin is not None
@@ -466,10 +485,66 @@ class InProcessWorkers:
             self._new_spare()
             return False
         self.pids[local] = spare.pid
-        self.replaced_in_place(gen)
-        self.on_replace()
-        self.events.emit("agent.inprocess_replace", local_rank=local, spare_pid=spare.pid, gen=gen, detail=detail)
         return True
+
+    # -- a node that comes back -------------------------------------------------------------------
+    def rejoin(self, attempt: TorchrunAttempt, worker_env: WorkerEnv, plan: Plan, ranks0: dict[int, int],
+               screen: str = "") -> bool:
+        """This node's agent came back (restarted with the same node id) to a fixed-size run whose
+        newest generation ``plan`` formed without it, its survivors holding the next round open for
+        it (``agent.inprocess.rejoin_wait_s``).  No torchrun: the node's snapshots come back from the
+        buddy node that holds their copies, a fresh process per slot joins the next generation with
+        the slot's generation-0 rank, and the round re-admits the node (the survivors keep theirs).
+        False when a slot's process could not be started (the agent then starts torchrun as usual)."""
+        self._attempt, self.worker_env = attempt, worker_env
+        self.ranks0, self.ranks, self.plan, self.gen = dict(ranks0), {}, plan, plan.gen
+        self.detached = True
+        if self.memstate is not None and self.memstate.buddy_link is not None:
+            self.memstate.buddy_link.invalidate()
+        self._fetch_own_snapshots()
+        for local in sorted(ranks0):
+            self.start_spare()
+            if not self._assign(local, plan.gen + 1, screen if local == min(ranks0) else ""):
+                return False
+        self.want(plan.gen + 1)
+        self.events.emit("agent.rejoin", gen=plan.gen + 1, slots={str(k): v for k, v in sorted(ranks0.items())},
+                         workers={str(k): v for k, v in sorted(self.pids.items())})
+        return True
+
+    def _fetch_own_snapshots(self) -> None:
+        """This node's snapshots of the epoch, copied back from the first of its ring successors that
+        holds them (its buddy while it was away: each step's push was replicated there before it
+        completed), into this agent's store, where its workers' restore reads them."""
+        t0 = time.monotonic()
+        try:
+            nodes = self.state.nodes()
+        except StoreError as exc:
+            self.events.emit("agent.rejoin_snapshots", copied=0, error=f"node records: {exc}"[:300])
+            return
+        for holder, addr, token in _successors(self.spec.node_id, nodes)[:3]:
+            try:
+                copied = self._copy_from(addr, token)
+            except (MemStateError, OSError, ValueError) as exc:
+                self.events.emit("agent.rejoin_snapshots", holder=holder, copied=0, error=str(exc)[:300])
+                continue
+            if copied:
+                self.events.emit("agent.rejoin_snapshots", holder=holder, copied=len(copied),
+                                 steps=sorted({m.step for m in copied}), bytes=sum(m.nbytes for m in copied),
+                                 copy_s=round(time.monotonic() - t0, 4))
+                return
+        self.events.emit("agent.rejoin_snapshots", copied=0, error="no ring successor holds this node's snapshots")
+
+    def _copy_from(self, addr: str, token: str) -> list[SnapMeta]:
+        assert self.memstate is not None
+        client = MemStateClient(addr, token, self.config.probe_timeout_s * 5, peer=True)
+        mine = [m for m in client.snap_list() if m.node == self.spec.node_id and m.epoch == self.epoch]
+        copied = []
+        for meta in mine:
+            got = client.snap_get(meta.node, meta.slot, meta.step)
+            if got is not None:
+                self.memstate.snapshots.put(got[0], got[1])
+                copied.append(got[0])
+        return copied
 
     # -- generation rounds ----------------------------------------------------------------------
     def replaced_in_place(self, gen: int) -> None:
@@ -499,14 +574,17 @@ class InProcessWorkers:
         notice = self.state.notice(self.epoch, self._fault_steps.get(gen), self.spec.node_id, "peer_lost", gen=gen - 1)
         round_ = NodeRound(self.gens, self.spec.node_id, gen, slots, self.plan, self._prober(gen),
                            self.config.join_timeout_s, on_lost=lambda node, why: self._name_lost(node, gen, why),
-                           emit=self.events.emit, stopped=self._closed.is_set, notice=notice)
+                           emit=self.events.emit, stopped=self._closed.is_set, notice=notice,
+                           min_nodes=self.needed_nodes, rejoin_wait_s=self.config.rejoin_wait_s)
         try:
             self._close_in_place(gen)
             plan = round_.run()
             self._adopt(plan, slots)
             self._check_counts(plan)
             self.board.post(self.epoch, gen, "plan", {"plan": json.loads(plan.to_json()),
-                                                      "slots": {str(local): old for local, old in slots.items()}})
+                                                      "slots": {str(local): old for local, old in slots.items()},
+                                                      "slots0": {str(local): self.ranks0.get(local, -1)
+                                                                 for local in slots}})
             self.events.emit("agent.round_plan", gen=gen, world=plan.world, nodes=plan.nodes, lost=list(plan.lost),
                              by=plan.by, role=round_.role or "member")
             self.board.post(self.epoch, gen, "store", round_.wait_store(self.config.join_timeout_s))
@@ -550,7 +628,9 @@ class InProcessWorkers:
         """This node's slots' ranks in the new generation (the plan is a delta: applied locally)."""
         self.plan = plan
         self.gen = max(self.gen, plan.gen)  # a fault right after this plan is a fault of plan.gen
-        self.ranks = {local: rank for local, old in slots.items() if (rank := plan.rank_of(old)) is not None}
+        self.ranks = {local: rank for local in slots if (rank := plan.rank_of0(self.ranks0.get(local, -1))) is not None}
+        for node in plan.returned:
+            self._gone.pop(node, None)  # back in the world: no longer a loss to push (_check_counts)
 
     def _prober(self, gen: int) -> Callable[[list[str]], dict[str, str]]:
         """The probe of round ``gen``: why each node's agent is gone, or "" while it may only be slow

@@ -27,6 +27,8 @@ from __future__ import annotations
 import json
 import signal
 import threading
+import time
+from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 
@@ -49,6 +51,7 @@ from elastic.common.exits import EXIT_EXCLUDED, EXIT_FAILURE
 from elastic.common.procs import become_subreaper
 from elastic.common.events import EventLog
 from elastic.control.admission import Admission, Refused
+from elastic.control.generations import Generations, Plan
 from elastic.control.keys import RunKeys
 from elastic.control.leader import ClusterPolicy, LeaderLoop, leader_excluder
 from elastic.control.runstate import RunState
@@ -116,6 +119,7 @@ class NodeAgent:
         self.supervisor.min_nodes = _min_nodes(spec.nnodes)
         self.supervisor.sdc_replay = sdc_replay
         self._screen_spec: dict | None = None
+        self._rejoin: Rejoin | None = None  # set at the start when this node rejoins in-process
         self.remote = RemoteFaults(config.chaos, spec.node_id, spec.run_id, spec.run_dir,
                                    checkpoint_root or spec.run_dir / "checkpoints", self.state, self.events,
                                    admission.token if admission is not None else None)
@@ -179,7 +183,9 @@ class NodeAgent:
         self._leader = LeaderLoop(self.state, self.spec.node_id, self.config.leader, policy, self.events,
                                   on_tick=lambda leader: self.scope.on_leader_tick(leader, self.records.lease_id))
         self._leader.start()
-        self.etcd.call("join", lambda: self.scope.join_running(3 * self.config.heartbeat.publish_interval_s))
+        self._rejoin = self.etcd.call("rejoin check", self._rejoinable)
+        if self._rejoin is None:  # a node that rejoins in-process must not move the run to a new epoch
+            self.etcd.call("join", lambda: self.scope.join_running(3 * self.config.heartbeat.publish_interval_s))
         while not self._stop.is_set():
             epoch = self.etcd.call("epoch read", self.state.epoch)
             code = self._after(self._run_once(epoch), epoch)
@@ -224,7 +230,38 @@ class NodeAgent:
             return None
         return self.leave.exclude_self(result.reason, self.config.preflight.exclusion_ttl_s, by=by, epoch=epoch)
 
+    def _rejoinable(self, settle_s: float = 2.0) -> Rejoin | None:
+        """Whether this agent comes back to a fixed-size run that trains on in-process without it:
+        the epoch's newest generation formed without this node, short of the nodes the run needs, so
+        its survivors hold the next round open for it (``agent.inprocess.rejoin_wait_s``).  An agent
+        back before its loss was declared waits up to ``settle_s`` for the round that declares it."""
+        config = self.inprocess
+        if config is None or self.memstate is None or config.rejoin_wait_s <= 0 or self.scope.name != "run":
+            return None
+        if self.state.done_record() is not None:
+            return None
+        epoch = self.state.epoch()
+        gens = Generations(self.store, self.keys, epoch)
+        ranks0 = gens.roster().get(self.spec.node_id)
+        needed = int(str(self.spec.nnodes).partition(":")[0])
+        deadline = time.monotonic() + settle_s
+        while ranks0:
+            plan = gens.newest_plan()
+            if plan is not None and self.spec.node_id in plan.gone:
+                return Rejoin(epoch, plan, ranks0) if plan.nodes < needed else None
+            if time.monotonic() >= deadline or self._stop.wait(0.2):
+                return None
+        return None
+
     def _run_once(self, epoch: int) -> AttemptResult:
+        rejoin, self._rejoin = self._rejoin, None
+        if rejoin is not None and rejoin.epoch == epoch:
+            result = self._rejoin_once(rejoin)
+            if result is not None:
+                return result
+            # Its processes did not start: the run grows back the usual way (a new epoch, from disk).
+            self.etcd.call("join", lambda: self.scope.join_running(3 * self.config.heartbeat.publish_interval_s))
+            return AttemptResult(Outcome.PEER_RESTART)
         self.attempt += 1
         prep = self.scope.prepare(self.attempt, self._stop.is_set)
         if prep.result is not None:
@@ -237,6 +274,29 @@ class NodeAgent:
         try:
             return self.supervisor.watch(attempt, epoch, lambda: f"signal {self._stop_signal}", workers,
                                          lambda result: self._replace_in_process(result, epoch))
+        finally:
+            self.current = None
+
+    def _rejoin_once(self, rejoin: Rejoin) -> AttemptResult | None:
+        """Rejoin the running world in-process (:meth:`InProcessWorkers.rejoin`): no torchrun, the
+        node's slots taken by fresh processes that join the survivors' next generation.  None when
+        its processes could not be started (the caller starts torchrun as usual)."""
+        self.attempt += 1
+        attempt = self.current = self.new_attempt(rejoin.epoch)
+        attempt.dir.mkdir(parents=True, exist_ok=True)
+        attempt.started = time.monotonic()
+        assert self.inprocess is not None
+        workers = InProcessWorkers(self.spec, self.inprocess, self.state, self.events, self.memstate, rejoin.epoch)
+        self.events.emit("agent.rejoin_start", epoch=rejoin.epoch, gen=rejoin.plan.gen, nodes=rejoin.plan.nodes,
+                         gone=list(rejoin.plan.gone)[:20])
+        if not workers.rejoin(attempt, attempt.worker_env, rejoin.plan, rejoin.ranks0, attempt.worker_env.screen):
+            self.events.emit("agent.stop_workers", reason="rejoin failed", pids=workers.stop(self.config.term_grace_s))
+            self.current = None
+            return None
+        self._set_state(AgentState.RUNNING, epoch=rejoin.epoch, attempt=self.attempt, path="rejoin")
+        try:
+            return self.supervisor.watch(attempt, rejoin.epoch, lambda: f"signal {self._stop_signal}", workers,
+                                         lambda result: self._replace_in_process(result, rejoin.epoch))
         finally:
             self.current = None
 
@@ -343,6 +403,17 @@ class NodeAgent:
             latest = None
         reason = self.progress.check(latest)
         return self.leave.stop_run(reason) if reason else None
+
+
+@dataclass(frozen=True)
+class Rejoin:
+    """A node back in a run whose world formed without it (:meth:`NodeAgent._rejoinable`)."""
+
+    epoch: int
+    plan: Plan
+    """The newest generation's plan: the one formed without this node."""
+    ranks0: dict[int, int]
+    """This node's slots and their generation-0 ranks (the roster's)."""
 
 
 def _min_nodes(nnodes: str) -> int | None:

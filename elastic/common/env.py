@@ -34,6 +34,8 @@ INPROCESS_ENV = "ELASTIC_INPROCESS"
 SNAPSHOTS_ENV = "ELASTIC_SNAPSHOTS"
 """``0``: in-process recovery without per-step memory snapshots (agent.inprocess.snapshots: false);
 ``ab:N``: snapshots in alternate blocks of N steps (agent.inprocess.snapshot_ab_block)."""
+REJOIN_WAIT_ENV = "ELASTIC_REJOIN_WAIT_S"
+"""A fixed-size run's wait for a lost node to come back (agent.inprocess.rejoin_wait_s); ``0``/unset: none."""
 JOIN_GEN_ENV = "ELASTIC_JOIN_GEN"
 """Set for a warm spare taking over a dead worker's slot: the generation it joins."""
 SCREEN_ENV = "ELASTIC_SCREEN"
@@ -78,6 +80,7 @@ class WorkerEnv:
     inprocess: str = ""
     snapshots: str = ""
     join_gen: str = ""
+    rejoin_wait: str = ""
     agent_pid: str = ""
     local_addr: str = ""
     screen: str = ""
@@ -96,6 +99,7 @@ _NAMES = {
     "etcd_endpoint": ETCD_ENDPOINT_ENV, "run_prefix": RUN_PREFIX_ENV, "epoch": EPOCH_ENV,
     "pg_timeout": PG_TIMEOUT_ENV, "skip_steps": SKIP_STEPS_ENV, "distrust": DISTRUST_ENV,
     "memstate_addr": MEMSTATE_ADDR_ENV, "memstate_token": MEMSTATE_TOKEN_ENV,
-    "inprocess": INPROCESS_ENV, "snapshots": SNAPSHOTS_ENV, "join_gen": JOIN_GEN_ENV, "agent_pid": AGENT_PID_ENV,
+    "inprocess": INPROCESS_ENV, "snapshots": SNAPSHOTS_ENV, "join_gen": JOIN_GEN_ENV, "rejoin_wait": REJOIN_WAIT_ENV,
+    "agent_pid": AGENT_PID_ENV,
     "local_addr": LOCAL_ADDR_ENV, "screen": SCREEN_ENV,
 }

@@ -46,6 +46,7 @@ class GenerationClient:
         self.gen = int(env.join_gen) if env.join_gen else 0
         self.plan: Plan | None = None
         self.old_rank = -1  # this slot's rank in the generation before the newest plan's
+        self.rank0 = -1  # this slot's rank in generation 0 (its agent says it with every plan)
         self.attempted = -1  # the newest generation this worker asked the plan of
 
     def next_plan(self) -> Plan:
@@ -58,10 +59,13 @@ class GenerationClient:
         reply = self.from_agent(target, "plan")
         plan = Plan.from_record(reply["plan"])
         self.old_rank = int(reply["slots"].get(str(self.slot.local_rank), -1))
+        self.rank0 = int((reply.get("slots0") or {}).get(str(self.slot.local_rank), -1))
         return plan
 
     def rank_in(self, plan: Plan) -> int:
-        rank = plan.rank_of(self.old_rank)
+        """This slot's rank in ``plan``'s generation: from its generation-0 rank, which a slot whose
+        node rejoined (it has no rank in the generation before) has too."""
+        rank = plan.rank_of0(self.rank0) if self.rank0 >= 0 else plan.rank_of(self.old_rank)
         if rank is None:
             raise RecoveryUnavailable(f"slot {self.slot.key()} (rank {self.old_rank}) is not in generation {plan.gen}")
         return rank

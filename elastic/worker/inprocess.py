@@ -103,6 +103,7 @@ class InProcess:
         self.slot = Slot(env.node_id, local_rank)
         self.epoch = int(env.epoch or 0)
         self.join_timeout_s = float(env.inprocess)
+        self.rejoin_wait_s = float(env.rejoin_wait or 0)  # a fixed-size run's wait for a lost node's return
         self.client = (MemStateClient(env.memstate_addr, env.memstate_token, 30.0, keep_alive=True)
                        if env.memstate_addr else None)
         self.round = GenerationClient(env, local_rank, self.client)  # the rounds, over the local channel
@@ -252,6 +253,12 @@ class InProcess:
         self.leave()
         clock.lap("teardown_s")
         plan = self.round.next_plan()
+        if plan.nodes < min_nodes and self.rejoin_wait_s > 0 and plan.gone:
+            # A fixed-size world short of a node: the next generation's round holds for it to come
+            # back (elastic.control.genround: rejoin_wait_s) and re-admits it with its old ranks.
+            self.events.emit("recovery.rejoin_wait", gen=plan.gen, nodes=plan.nodes, needed=min_nodes,
+                             away=list(plan.gone)[:20], wait_s=self.rejoin_wait_s)
+            plan = self.round.next_plan()
         clock.lap("generation_s")
         if plan.nodes < min_nodes:
             raise RecoveryUnavailable(f"generation {plan.gen} has {plan.nodes} nodes; the run needs at least "
