@@ -151,6 +151,10 @@ def test_a_held_round_closes_short_once_the_wait_is_over_and_a_loss_in_the_round
                                rejoin_wait_s=0.5))
     held = time.monotonic() - t0
     assert second.nodes == 3 and second.gone == ("n0",) and second.returned == () and 0.5 <= held < 3.0
+    # n0 back too late: the round it joins formed without it, and it is told so (the run restarts).
+    late = _rounds(gens, 2, ["n0"], Probes(), previous=first, timeout_s=2.0)
+    assert isinstance(late["n0"], GenerationFailed) and "formed without this node" in str(late["n0"])
+    assert gens.member("n0") == _roster(4)["n0"] and gens.member("n9") is None
     # An elastic run above its minimum never holds.
     t0 = time.monotonic()
     third = _one_plan(_rounds(gens, 3, ["n1", "n2", "n3"], Probes(), previous=second, min_nodes=3,

@@ -242,7 +242,7 @@ class NodeAgent:
             return None
         epoch = self.state.epoch()
         gens = Generations(self.store, self.keys, epoch)
-        ranks0 = gens.roster().get(self.spec.node_id)
+        ranks0 = gens.member(self.spec.node_id)  # one key: every agent starting reads it
         needed = int(str(self.spec.nnodes).partition(":")[0])
         deadline = time.monotonic() + settle_s
         while ranks0:

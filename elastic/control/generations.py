@@ -215,6 +215,11 @@ class Generations:
         """Generation 0: this node's slots and the ranks torchrun gave them."""
         self.store.put(self.keys.gen_member(self.epoch, node), json.dumps({"ranks": _str_keys(ranks)}))
 
+    def member(self, node: str) -> dict[int, int] | None:
+        """``node``'s generation-0 slots and ranks (one key), None when it was not in generation 0."""
+        kv = self.store.get(self.keys.gen_member(self.epoch, node))
+        return _slots(decode(kv), "ranks") if kv is not None else None
+
     def roster(self) -> Roster:
         """Every node's generation-0 slots (one read of N small records: the coordinator's, once a round)."""
         base = self.keys.gen_members(self.epoch)

@@ -138,7 +138,9 @@ class NodeRound:
         if self.node in self.state.lost:
             raise GenerationFailed(f"generation {self.gen}: this node ({self.node}) was declared lost")
         plan = self.state.plan
-        if plan is not None and self.node in plan.lost:
+        if plan is not None and (self.node in plan.lost or self.node in plan.gone):
+            # gone: a node back from a loss that joined a round which closed without it (its wait
+            # ran out); the run restarts from disk, and this node with it.
             raise GenerationFailed(f"generation {self.gen} formed without this node ({self.node})")
 
     # -- roles ------------------------------------------------------------------------------
