@@ -501,11 +501,13 @@ class InProcessWorkers:
         self.detached = True
         if self.memstate is not None and self.memstate.buddy_link is not None:
             self.memstate.buddy_link.invalidate()
-        self._fetch_own_snapshots()
         for local in sorted(ranks0):
             self.start_spare()
             if not self._assign(local, plan.gen + 1, screen if local == min(ranks0) else ""):
                 return False
+        # While the slots' processes import (seconds): no worker can restore before this node joins
+        # the round, which it does only once this returns.
+        self._fetch_own_snapshots()
         self.want(plan.gen + 1)
         self.events.emit("agent.rejoin", gen=plan.gen + 1, slots={str(k): v for k, v in sorted(ranks0.items())},
                          workers={str(k): v for k, v in sorted(self.pids.items())})
