@@ -324,3 +324,23 @@ def test_a_worker_learns_its_generation_from_its_agent_only():
         survivor.next_plan()
     with pytest.raises(RecoveryUnavailable, match="no agent channel"):
         GenerationClient(env, 0, None).next_plan()
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_a_slots_rank_from_its_generation_0_rank_is_the_deltas_while_nobody_returns(seed):
+    """Workers and agents now take a slot's rank from its generation-0 rank (rank_of0): over random
+    sequences of losses it agrees with the delta's rank_of(old rank) at every generation."""
+    import random
+
+    rng = random.Random(seed)
+    roster = _roster(6)
+    previous = None
+    for gen in range(1, 5):
+        alive = [n for n in roster if n not in (previous.gone if previous else ())]
+        lost = set(rng.sample(alive, k=min(len(alive) - 1, rng.choice([0, 1]))))
+        ranks = ranks_at(roster, previous)
+        joined = {n: {local: ranks[Slot(n, local)] for local in roster[n]} for n in alive if n not in lost}
+        plan = plan_next(gen, roster, previous, joined, lost)
+        for slot, old in ranks.items():
+            assert plan.rank_of(old) == plan.rank_of0(roster[slot.node][slot.local_rank]), (gen, slot)
+        previous = plan
