@@ -47,4 +47,6 @@ def test_a_worker_lost_while_the_world_shrinks_is_recovered_from_memory(tmp_path
     assert not [e for e in events if e["kind"] == "trainer.step" and kill_ts < e["ts"] < second[0]]
     assert all(not e["bitwise"] and "resharded" in e["trajectory_changed"] for e in recovered)
     assert _steps_lost(events, kill_ts) <= 1
-    assert summary["last_step"] == 120
+    assert summary["last_step"] == 120 and summary["nodes"]["node2"] == -9
+    lost = [e for e in events if e["kind"] == "agent.node_lost"]
+    assert [e["node"] for e in lost] == ["node2"]  # one record of the loss, from one agent

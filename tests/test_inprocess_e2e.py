@@ -113,6 +113,10 @@ def test_dit_2x1_worker_kill_recovers_in_process_bitwise(tmp_path, subprocess_en
     assert summary["final_checksum"] == baseline["final_checksum"]
 
 
+# Soak tier: a node's loss in an elastic run, the world shrinking in-process from the buddy's memory, is
+# the default suite's test_double_fault_e2e.py (the same loss, then a second fault; it asserts these
+# records too) and test_peer_hang_e2e.py::test_node_loss_recovers_in_process_when_collectives_hang.
+@pytest.mark.soak
 def test_node_loss_continues_on_the_others_from_the_buddys_memory(tmp_path, subprocess_env):
     config = write_run_config(tmp_path, nodes="3:4", steps=120, run_id="nodeloss")
 
