@@ -80,6 +80,24 @@ def test_executes_a_signed_kill_and_records_what_it_did(state, tmp_path, worker)
     assert len(state.fault_results("node1")) == 1
 
 
+def test_a_request_armed_by_an_agent_that_died_is_carried_out_by_its_rejoined_successor(state, tmp_path, worker):
+    """A kill armed for the node's next save, and the node's agent killed before that moment (soak
+    seed 1: kill_during_checkpoint, then kill_agent 1.35 s later): its relaunched agent rejoins
+    in-process, with no torchrun, and still carries the request out on its workers' reports."""
+    delivery = AgentDelivery(state, "r1", TOKEN)
+    posted = delivery.post("node1", "kill_worker", {"local_rank": 0}, at_step=10)
+    first = agent(state, tmp_path)
+    first.attach(torchrun_pid=4242, epoch=0)
+    first.poll()
+    assert first.armed and state.fault_results("node1") == {}  # armed; then the agent dies
+    successor = agent(state, tmp_path)
+    successor.attach(torchrun_pid=None, epoch=0)  # a rejoined node: no torchrun
+    successor.poll()
+    successor.observe({"type": "step", "step": 10, "pid": worker.pid, "rank": 0, "local_rank": 0})
+    assert worker.wait(timeout=10) == -signal.SIGKILL
+    assert result_of(state, "node1", posted)["executed"]
+
+
 def test_refuses_without_allow_chaos_without_the_token_and_with_the_wrong_one(state, tmp_path, worker):
     disabled = agent(state, tmp_path, enabled=False, node="node2")
     posted = AgentDelivery(state, "r1", TOKEN).post("node2", "kill_worker")

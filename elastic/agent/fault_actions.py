@@ -44,9 +44,12 @@ class NodeView:
     """local rank -> {"pid", "rank"} of this attempt's workers (from their reports)."""
     step: int = 0
     """Newest step any worker of this attempt reported."""
+    running: bool = False
+    """An attempt is being watched (with a torchrun, or a node rejoining in-process without one)."""
 
     def new_attempt(self, torchrun_pid: int | None, epoch: int) -> None:
         self.torchrun_pid, self.epoch, self.workers, self.step = torchrun_pid, epoch, {}, 0
+        self.running = True
 
     def observe(self, report: dict[str, Any]) -> None:
         if "pid" in report and "local_rank" in report:
@@ -95,10 +98,11 @@ def hang_worker(view: NodeView, params: dict[str, Any]) -> dict[str, Any]:
 
 
 def kill_tree(view: NodeView) -> list[int]:
-    """SIGKILL this node's torchrun and everything below it; the pids killed."""
-    if view.torchrun_pid is None:
-        return []
-    pids = [view.torchrun_pid, *descendants(view.torchrun_pid)]
+    """SIGKILL this node's torchrun, the workers that reported (they outlive a retired torchrun, and
+    a node that rejoined in-process has none) and everything below them; the pids killed."""
+    roots = [view.torchrun_pid] if view.torchrun_pid is not None else []
+    roots += [w["pid"] for _, w in sorted(view.workers.items())]
+    pids = list(dict.fromkeys(p for root in roots for p in (root, *descendants(root))))
     signal_all(pids, signal.SIGKILL)
     return pids
 

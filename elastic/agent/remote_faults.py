@@ -135,7 +135,7 @@ class RemoteFaults:
         after = request.get("after")
         if after and after not in self.handled:
             raise NotYet(f"waits for request {after}")
-        if request["fault"] in NEEDS_WORKERS and self.view.torchrun_pid is None:
+        if request["fault"] in NEEDS_WORKERS and not self.view.running:
             raise NotYet("no running attempt")
 
     def _finish(self, request_id: str, request: dict[str, Any], detail: dict[str, Any] | None = None,
