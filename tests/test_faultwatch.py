@@ -517,3 +517,36 @@ def test_a_generation_whose_abort_raises_is_forgotten_so_the_next_one_forms(subp
     assert out["figures"]["abort_error"] is True and "aborted group" in out["figures"]["error"]
     assert out["figures"]["groups_aborted"] == 2
     assert out["initialized_after_abort"] is False and out["reduced"] == [1.0, 1.0]
+
+
+_LEFTOVER = textwrap.dedent("""
+    import json
+    import torch, torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+    from elastic.worker.inprocess import abort_generation, forget_leftover_groups
+
+    def names():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        return [dist.new_group([0]).group_name, dist.new_group([0]).group_name]
+
+    fresh = names()
+    abort_generation(set())
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    late = dist.new_group([0])           # as a mesh's new_group that finishes after the monitor's abort:
+    c10d._update_default_pg(None)        # the abort cleared the world, this group registered after it
+    c10d._world.pg_map.pop(c10d._world.default_pg, None) if c10d._world.default_pg else None
+    forgotten = forget_leftover_groups()
+    again = names()
+    print(json.dumps({"fresh": fresh, "again": again, "forgotten": forgotten}))
+""")
+
+
+def test_groups_registered_after_a_teardown_are_forgotten_so_the_next_world_names_its_groups_alike(subprocess_env):
+    """A group the training thread registered after the fault monitor's abort (its mesh still
+    forming) made the next generation name its groups differently from its peers; they then waited
+    for each other's store keys for 60 s.  Leaving a generation forgets such leftovers."""
+    proc = subprocess.run([sys.executable, "-c", _LEFTOVER], capture_output=True, text=True, timeout=60,
+                          env=subprocess_env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["forgotten"] >= 1 and out["again"] == out["fresh"], out

@@ -17,6 +17,7 @@ back to a full restart from the disk checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import threading
@@ -285,6 +286,9 @@ class InProcess:
         figures = None if self.joining and self.plan is None else self.latch.teardown()
         if figures is not None:
             self.events.emit("recovery.severed", gen=self.gen, by="training thread", **figures)
+        left = forget_leftover_groups()
+        if left:
+            self.events.emit("recovery.leftover_groups", gen=self.latch.gen, groups=left)
         _drain_device(self.device, self.join_timeout_s)
 
     def _abort_world(self) -> dict[str, Any]:
@@ -508,6 +512,26 @@ def abort_generation(keep_ports: set[int]) -> dict[str, Any]:
     figures["connections"] = sever_connections(keep_ports)
     figures["teardown_s"] = round(time.monotonic() - t0, 4)
     return figures
+
+
+def forget_leftover_groups() -> int:
+    """Process groups registered after their generation was torn down, aborted and forgotten; how
+    many.  The fault monitor can abort a generation while the training thread is still forming it
+    (``init_process_group`` done, the mesh's ``new_group`` calls under way): a group registered after
+    the abort survives it, and ``_world.group_count`` runs on from it.  The next generation's groups
+    then get other names, so other store keys, than its peers' -- and each side waits for the other's
+    keys until the timeout.  (Soak seed 1: a worker kill, then its node's loss 0.39 s later while the
+    in-place generation formed; the re-formed world waited 60 s, "wait timeout ... keys: /1//cpu//0/1"
+    on one rank and "/0//cpu//0/0" on another, then fell back to disk.)"""
+    c10d = dist.distributed_c10d
+    groups = list(c10d._world.pg_map)
+    if not groups and not c10d._world.group_count and not dist.is_initialized():
+        return 0
+    for pg in groups:
+        with contextlib.suppress(Exception):  # a group of a torn-down world: its abort may fail too
+            pg.abort()
+    _forget_world()
+    return len(groups)
 
 
 _WORLD_TABLES = ("pg_map", "pg_names", "pg_group_ranks", "pg_backend_config", "pg_to_tag", "tags_to_pg",
