@@ -196,6 +196,34 @@ def test_torchrun_without_workers_is_still_in_its_rendezvous(tmp_path):
             proc.wait()
 
 
+def test_torchrun_is_retired_only_while_it_runs_and_holds_every_worker_alive(tmp_path):
+    """An agent that stalled (etcd leader lost) reads its first step report late: the workers may
+    have trained to the end and exited by then.  Adopting them read a finished run as two dead
+    workers (CI: two bogus counted faults); torchrun whose workers are gone is left to exit."""
+    spec = NodeSpec("run", "node0", "127.0.0.1:1", tmp_path, "2", 1, ["-m", "json.tool"])
+    attempt = TorchrunAttempt(spec, 1, tmp_path, "", WorkerEnv(), ("2", "run"), 1.0)
+    # A parent that keeps its child unreaped once it ends (a zombie, as torchrun's finished worker).
+    code = "import subprocess, sys, time; c = subprocess.Popen(['sleep', '30']); print(c.pid, flush=True); " \
+           "sys.stdin.readline(); c.kill(); time.sleep(30)"
+    attempt.proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        worker = int(attempt.proc.stdout.readline())
+        assert attempt.holds([worker]) and not attempt.holds([worker, attempt.proc.pid])
+        attempt.proc.stdin.write(b"\n")
+        attempt.proc.stdin.flush()
+        deadline = time.monotonic() + 10
+        while attempt.holds([worker]) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not attempt.holds([worker])  # the worker ended: a zombie is not held
+        assert attempt.holds([])
+        attempt.proc.kill()
+        attempt.proc.wait()
+        assert not attempt.holds([])  # torchrun exited
+    finally:
+        attempt.proc.kill()
+        attempt.proc.wait()
+
+
 def test_a_round_probe_spares_nodes_that_left_cleanly_and_reads_once(slots):
     """A node that left the roster cleanly finished (its closed store is no loss); a node without a
     record is gone; the round's probe reads the node records and the roster once."""

@@ -606,3 +606,23 @@ def test_a_suspect_after_the_run_finished_is_a_fault_not_a_rollback(tmp_path):
     assert state.sdc_rollback() is None and state.epoch() == 0 and [f["node"] for f in state.faults()] == ["node1"]
     [after] = [e for e in read_run_events(tmp_path) if e["kind"] == "sdc.after_end"]
     assert "at or before step 30" in after["detail"]
+
+
+def test_the_agent_that_rolls_the_run_back_leaves_its_epoch_at_once_and_counts_no_death_after_it(tmp_path):
+    """Its own watch says so a round trip later: meanwhile a worker of its own that dies (its peers
+    stopped theirs for the new epoch) is the move's consequence, not this node's fault (CI, loaded:
+    the arbiter counted a worker_signal, then a worker_error, after its own rollback)."""
+    from types import SimpleNamespace
+
+    from elastic.agent.attempt import Outcome
+
+    sup, state = _supervisor(tmp_path, min_nodes=None)
+    sup.metrics = SimpleNamespace(run_dir=tmp_path, tick=lambda: None)
+    attempt = SimpleNamespace(running=False, poll=lambda: -9, dir=tmp_path, number=1, runtime_s=lambda: 1.0)
+    sup.signals = SimpleNamespace(current=lambda: SimpleNamespace(epoch=0, excluded=None, stop=None))
+    assert not sup.moved_on(0) and sup._poll_run(attempt, 0) is None
+    sup.sdc_rollback({**VERDICT, "role": "rank", "rollback": True}, epoch=0)
+    assert sup.moved_on(0) and not sup.moved_on(1)
+    assert sup._poll_run(attempt, 0).outcome == Outcome.PEER_RESTART  # the watch still says epoch 0
+    assert sup._exited(attempt, 0).outcome == Outcome.PEER_RESTART
+    assert [e["epoch"] for e in read_run_events(tmp_path) if e["kind"] == "agent.failed_after_move"] == [0]

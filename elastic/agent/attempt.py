@@ -18,6 +18,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
@@ -25,7 +26,7 @@ from typing import Any
 
 from elastic.agent.classify import FailureKind
 from elastic.common.env import ABORT_SAFE_ENV, WorkerEnv
-from elastic.common.procs import child_preexec, children, descendants, terminate_tree
+from elastic.common.procs import alive, child_preexec, children, descendants, terminate_tree
 from elastic.control.keys import BACKEND_NAME
 
 
@@ -199,6 +200,17 @@ class TorchrunAttempt:
             pass
         self.proc = None
         return pids
+
+    def holds(self, workers: Iterable[int]) -> bool:
+        """torchrun still runs and each of ``workers`` is a live (not zombie) descendant of it: the
+        only state in which it may be retired.  An agent that stalls (etcd leader lost, seconds)
+        reads its first step report late: by then the workers may have trained to the end and
+        exited, and adopting them would read a finished run as dead workers (CI: two bogus
+        counted faults, then the spares "recovered" at the final step)."""
+        if self.proc is None or self.proc.poll() is not None:
+            return False
+        tree = set(descendants(self.proc.pid))
+        return all(pid in tree and alive(pid) for pid in workers)
 
     def retire(self, workers: set[int]) -> None:
         """In-process mode: SIGKILL torchrun, keep its workers (the agent, their subreaper, adopts them)."""

@@ -344,7 +344,10 @@ class NodeAgent:
         return self._act(result.decision or self.failures.decide(result, epoch), result, epoch)
 
     def _replace_in_process(self, result: AttemptResult, epoch: int) -> bool:
-        """A local worker died after torchrun retired: may the warm spare take its slot?"""
+        """A local worker died after torchrun retired: may the warm spare take its slot?  Not once
+        this agent moved the run on (the attempt ends as a peer restart, nothing counted)."""
+        if self.supervisor.moved_on(epoch):
+            return False
         result.decision = decision = self.failures.decide(result, epoch)
         if decision.action not in ("restart", "rescreen") or self.failures.failures > self.config.max_restarts:
             return False  # the attempt ends; _after acts on the decision already taken

@@ -81,6 +81,9 @@ class Supervisor:
         self.replays = ReplayChecks(node_id, state, events)
         """Replay verification: this node's checked ranks' checksums, its spare's replays."""
         self._noticed: set[tuple[int, int]] = set()  # (epoch, generation) faults this agent recorded
+        self._numerics_step: int | None = None  # the step of this attempt's first numerics report
+        self._bumped = -1
+        """The epoch this agent itself last moved the run to: its own watch says so a round trip later."""
         self.signals: SignalWatch | None = None
         """The run-wide signals of the attempt being watched (one watch stream, closed with it)."""
 
@@ -181,13 +184,30 @@ class Supervisor:
             if self.faults is not None:
                 self.faults.observe(report)
 
+    def moved_on(self, epoch: int) -> bool:
+        """Has this agent itself moved the run past ``epoch`` (an SDC rollback)?  Its own watch says
+        so a round trip later, and a worker that dies meanwhile died of the move (its peers stopped
+        their workers for the new epoch), not of a fault of its own (CI, loaded: the arbiter of a
+        rollback counted its own worker's death, a signal, as its fault).  Another node's bump is
+        not guessed from a read here: a node whose worker really died may see the epoch moved by
+        a peer that noticed first, and must still count its fault."""
+        return self._bumped > epoch
+
     def _exited(self, attempt: TorchrunAttempt, epoch: int) -> AttemptResult | None:
-        if self.workers is not None and self.workers.detached:
-            result = self.workers.poll(self.on_failure)
-            if result is not None and result.outcome == Outcome.FAILED:
-                result.numerics_step = self._numerics_step
-                self.stop_attempt(attempt, f"fall back: {result.detail}")
+        result = self._ended(attempt, epoch)
+        if result is None or result.outcome != Outcome.FAILED:
             return result
+        if self.moved_on(epoch):
+            self.events.emit("agent.failed_after_move", epoch=epoch, rc=result.rc, detail=result.detail)
+            result = AttemptResult(Outcome.PEER_RESTART)
+        if self.workers is not None and self.workers.detached:
+            result.numerics_step = self._numerics_step
+            self.stop_attempt(attempt, f"fall back: {result.detail}" if result.detail else f"epoch after {epoch}")
+        return result
+
+    def _ended(self, attempt: TorchrunAttempt, epoch: int) -> AttemptResult | None:
+        if self.workers is not None and self.workers.detached:
+            return self.workers.poll(self.on_failure)
         rc = attempt.poll()
         if rc is None:
             return None
@@ -203,7 +223,7 @@ class Supervisor:
         kind = report.get("type")
         if self.workers is not None:
             self.workers.observe(report)
-            if self.workers.ready() and attempt.running:
+            if self.workers.ready() and attempt.holds(self.workers.pids.values()):
                 self.workers.detach(attempt, attempt.worker_env)
         if kind in ("fault", "recovered"):
             self.monitor.observe(report)  # a re-formation under way, or over: silence is expected
@@ -256,6 +276,7 @@ class Supervisor:
             self.records.quietly("bump_epoch", lambda: self.scope.bump(epoch))  # the others re-form now
             self.stop_attempt(attempt, "excluded")
             return AttemptResult(Outcome.EXCLUDED)
+        current = max(current, self._bumped)
         if current > epoch:
             self.events.emit("agent.epoch_seen", epoch=current, previous=epoch)
             self.stop_attempt(attempt, f"epoch {current}")
@@ -286,7 +307,8 @@ class Supervisor:
         if suspect.get("role") is not None:
             self._sdc_exclude(node, detail, epoch)
         if suspect.get("rollback", True):
-            self.records.quietly("bump_epoch", lambda: self.scope.bump(epoch))
+            moved = self.records.quietly("bump_epoch", lambda: self.scope.bump(epoch))
+            self._bumped = max(self._bumped, moved if moved is not None else -1)
 
     def _sdc_fault(self, node: str, detail: str, step: int, epoch: int) -> None:
         self.records.quietly("record_failure", lambda: self.state.record_failure(node, "sdc", epoch))
