@@ -74,6 +74,8 @@ def _run(config: Path, env: dict, act=None) -> tuple[dict, list[dict], float | N
     return json.loads((run_dir / "summary.json").read_text()), read_run_events(run_dir), acted
 
 
+# Soak tier (pytest -m soak), kept out of the default suite's 30 minutes: the BYO workload's restart path stays in the default suite; in-process recovery is test_inprocess_e2e.py's.
+@pytest.mark.soak
 def test_the_installed_byo_workload_recovers_a_worker_kill_in_process_bitwise(tmp_path, byo_env):
     baseline, events, _ = _run(_config(tmp_path, "base"), byo_env)
     starts = [e for e in events if e["kind"] == "trainer.start"]

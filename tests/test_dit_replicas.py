@@ -205,6 +205,8 @@ def test_sigkill_one_group_survivors_go_on_and_the_group_heals(tmp_path, subproc
     assert len(_checksums(run_dir, 3)) == 1
 
 
+# Soak tier (pytest -m soak), kept out of the default suite's 30 minutes: resume from disk bitwise stays in the default suite (test_launch_e2e.py, test_inprocess_e2e.py's fallback).
+@pytest.mark.soak
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_all_groups_killed_resume_from_disk_bitwise(tmp_path, subprocess_env):
@@ -241,6 +243,8 @@ def test_all_groups_killed_resume_from_disk_bitwise(tmp_path, subprocess_env):
     _check_data_order(events, 2)
 
 
+# Soak tier (pytest -m soak), kept out of the default suite's 30 minutes: a replica group's loss and heal stays in the default suite (the SIGKILL test).
+@pytest.mark.soak
 @pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_nan_in_one_group_is_skipped_everywhere_and_a_hang_is_detected(tmp_path, subprocess_env):

@@ -56,6 +56,8 @@ def test_the_tour_runs_as_written(tmp_path, subprocess_env):
     assert "run tiny: 40/40 steps" in out and "nodes: node0=rc0, node1=rc0, node2=rc0, node3=rc0" in out, out
 
 
+# Soak tier (pytest -m soak), kept out of the default suite's 30 minutes: replica groups end to end stay in the default suite through test_dit_replicas.py.
+@pytest.mark.soak
 @pytest.mark.timeout(600)
 def test_the_replica_examples_run(tmp_path, subprocess_env):
     cwd = _checkout(tmp_path)

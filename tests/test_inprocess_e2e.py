@@ -147,6 +147,8 @@ def test_a_kill_during_the_snapshot_push_loses_at_most_one_step(baseline_run, tm
     assert summary["final_checksum"] == baseline_run["summary"]["final_checksum"]
 
 
+# Soak tier (pytest -m soak), kept out of the default suite's 30 minutes: the fallback to disk stays in the default suite (a corrupted snapshot, below).
+@pytest.mark.soak
 def test_two_adjacent_nodes_lost_fall_back_to_the_disk_checkpoint(tmp_path, subprocess_env):
     """node1's snapshots live on node2 (its buddy): losing both leaves one rank's state nowhere in
     memory, so in-process recovery refuses and the run restarts from disk on the two nodes left."""

@@ -68,6 +68,8 @@ def fault_free(tmp_path_factory, subprocess_env_session) -> str:
     return sums.pop()
 
 
+# Soak tier (pytest -m soak), kept out of the default suite's 30 minutes: the flipped-bit test below runs the same check and compares with the same fault-free run.
+@pytest.mark.soak
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_agreement_check_on_a_fault_free_run_changes_nothing(tmp_path, subprocess_env, fault_free):
