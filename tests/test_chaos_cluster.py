@@ -86,6 +86,8 @@ def test_kill_through_etcd_executed_and_refused_without_token_or_allow_chaos(tmp
     kill_quietly(set().union(*run_pids(tmp_path / "run").values()))
 
 
+# Soak tier (pytest -m soak), kept out of the default suite's 30 minutes: the partition's policy (who is declared lost, who stays) stays in the default suite as test_chaos_delivery.py's units.
+@pytest.mark.soak
 @pytest.mark.timeout(600)
 @pytest.mark.skipif(available() is not None, reason=f"network namespaces: {available()}")
 def test_partition_of_one_node_in_a_namespace_is_detected_and_healed(tmp_path, subprocess_env):

@@ -104,6 +104,8 @@ def test_async_save_retention_disk_full_corruption_publish(tmp_path, subprocess_
         "COMMIT", "manifest.json", "shard-00000.safetensors", "shard-00001.safetensors"]
 
 
+# Soak tier (pytest -m soak), kept out of the default suite's 30 minutes: resharding stays in the default suite (test_reshard_p2p.py, test_dit_e2e.py's resume with fewer ranks).
+@pytest.mark.soak
 def test_reshard_2_to_1_to_2(tmp_path, subprocess_env):
     for world in (2, 1, 2):
         codes = run_ranks("hop", world, tmp_path, subprocess_env, timeout=60)

@@ -36,6 +36,8 @@ def _starts(run_dir: Path) -> list[tuple[int, bool]]:
             if e["kind"] == "trainer.start" and e["source"] == "trainer/rank0"]
 
 
+# Soak tier (pytest -m soak), kept out of the default suite's 30 minutes: the DiT extension below and test_checkpoint_identity.py's units keep --extend's checks in the default suite.
+@pytest.mark.soak
 def test_extend_resumes_a_changed_config_stops_and_fresh_moves_aside(tmp_path, subprocess_env):
     config = write_run_config(tmp_path, nodes="1", steps=6, interval=3, step_sleep=0.0)
     run = tmp_path / "run"

@@ -35,6 +35,8 @@ def kinds(run_dir, kind: str) -> list[dict]:
     return [e for e in read_run_events(run_dir) if e["kind"] == kind]
 
 
+# Soak tier (pytest -m soak), kept out of the default suite's 30 minutes: a stopped worker's hang verdict stays in the default suite (test_peer_hang_e2e.py, in-process).
+@pytest.mark.soak
 def test_sigstop_hang_is_detected_on_its_node_and_recovered(tmp_path, subprocess_env_session, baseline_run):
     proc = start_launcher(write_run_config(tmp_path, agent=FAST_AGENT), subprocess_env_session)
     run_dir = tmp_path / "run"
@@ -168,6 +170,8 @@ def test_below_min_nodes_waits_then_stops_with_clear_message(tmp_path, subproces
     assert "stops the run: rendezvous_timeout" in log
 
 
+# Soak tier (pytest -m soak), kept out of the default suite's 30 minutes: the guard itself stays in the default suite as test_runstate.py's ProgressGuard units.
+@pytest.mark.soak
 def test_no_progress_guard_stops_crash_loop(tmp_path, subprocess_env_session):
     agent = {**FAST_AGENT, "max_restarts": 10, "failure": {"no_progress_restarts": 2}}
     config = write_run_config(tmp_path, nodes="1", agent=agent)
