@@ -14,7 +14,8 @@ from torch import nn
 
 from elastic.checkpoint.manager import CheckpointConfig, CheckpointCorrupt, CheckpointManager, select_for_deletion
 from elastic.checkpoint.format import encode_safetensors
-from elastic.checkpoint.publish import EtcdCheckpointPublisher, publisher_from_env, read_latest
+from elastic.checkpoint.load import _error_fields
+from elastic.checkpoint.publish import EtcdCheckpointPublisher, LatestPublisher, publisher_from_env, read_latest
 from elastic.control.keys import RunKeys
 from elastic.checkpoint.storage import FaultInjectingStorage, LocalStorage
 from elastic.worker.faults import FaultHooks, write_fault
@@ -303,6 +304,52 @@ def test_publish_failure_is_an_event_not_fatal(tmp_path):
     failed = [e for e in read_events([tmp_path / "events.jsonl"]) if e["kind"] == "checkpoint.publish_failed"]
     assert failed and "etcd down" in failed[0]["error"]
     mgr.close()
+
+
+def test_a_publish_that_hangs_never_holds_up_the_next_save(tmp_path):
+    """etcd stopped (chaos soak, seed 1): rank 0's publish waited out the store's retries, the next
+    save waited for it, every rank stopped, and the agents' hang timeout restarted the run from
+    disk.  Publishing now runs beside the saves, newest record first; etcd back, the newest commit
+    is published and an older one still unwritten is dropped, never written over it."""
+    release, calls = threading.Event(), []
+
+    def stalled(step, path):
+        calls.append(step)
+        if not release.wait(10):
+            raise TimeoutError("etcd stopped")
+
+    mgr, _ = _manager(tmp_path)
+    mgr.publisher = stalled
+    state = _state(*_trained())
+    for step in (1, 2, 3):
+        mgr.save(step, state)
+    mgr._wait_inflight()
+    assert mgr.committed_steps() == [2, 3]  # keep_last 2: the saves went on while step 1's publish hung
+    waited = [e["waited_s"] for e in read_events([tmp_path / "events.jsonl"]) if e["kind"] == "checkpoint.save_start"]
+    assert max(waited) < 5, waited
+    release.set()
+    mgr.wait()
+    published = [e["step"] for e in read_events([tmp_path / "events.jsonl"]) if e["kind"] == "checkpoint.published"]
+    assert calls == [1, 3] and published == [1, 3]  # step 2 was replaced before it was tried
+    mgr.close()
+
+
+def test_a_failed_publish_is_said_once_and_retried_until_written(tmp_path):
+    failures = [ConnectionError("etcd down")] * 3
+    written = []
+
+    def flaky(step, path):
+        if failures:
+            raise failures.pop()
+        written.append(step)
+
+    events = EventLog(tmp_path / "events.jsonl", "test")
+    latest = LatestPublisher(flaky, events.emit, _error_fields, retry_s=0.01)
+    latest(7, "/ckpt/step-00000007")
+    assert latest.flush(5.0) and written == [7]
+    kinds = [(e["kind"], e["step"]) for e in read_events([tmp_path / "events.jsonl"])]
+    assert kinds == [("checkpoint.publish_failed", 7), ("checkpoint.published", 7)]
+    latest.close(1.0)
 
 
 def test_checkpoint_that_verifies_but_cannot_load_is_skipped(tmp_path):

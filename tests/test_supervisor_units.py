@@ -302,3 +302,28 @@ def test_a_spare_that_took_a_slot_leaves_without_interpreter_teardown(tmp_path, 
                           env=env, timeout=120)
     assert proc.returncode == 3, proc.stdout + proc.stderr
     assert '"spare": "assigned"' in proc.stdout and not marker.exists()
+
+
+def test_reports_left_by_the_last_attempt_are_dropped_before_the_next_one(tmp_path):
+    """An agent re-screening its node after a hang read nothing for 6 s; its stopped workers' last
+    step report then counted as the next attempt's first step, 12 s before that attempt's workers
+    had started, and the agent declared its node a stall victim (chaos soak, seed 1)."""
+    import socket
+    from types import SimpleNamespace
+
+    from elastic.agent.attempt import ReportInbox
+    from elastic.agent.node import NodeAgent
+    from elastic.common.events import read_events
+
+    inbox = ReportInbox()
+    host, port = inbox.address.rsplit(":", 1)
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        for step in (1327, 1328):
+            sock.sendto(json.dumps({"type": "step", "step": step, "pid": 4242}).encode(), (host, int(port)))
+    time.sleep(0.05)  # loopback datagrams: queued at once
+    agent = SimpleNamespace(inbox=inbox, events=EventLog(tmp_path / "agent.jsonl", "agent/node0"))
+    NodeAgent._drop_stale_reports(agent, epoch=1)  # type: ignore[arg-type]
+    assert inbox.drain() == []
+    [dropped] = [e for e in read_events([tmp_path / "agent.jsonl"]) if e["kind"] == "agent.stale_reports"]
+    assert (dropped["epoch"], dropped["count"], dropped["pids"]) == (1, 2, [4242])
+    inbox.close()

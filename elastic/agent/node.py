@@ -254,6 +254,7 @@ class NodeAgent:
         return None
 
     def _run_once(self, epoch: int) -> AttemptResult:
+        self._drop_stale_reports(epoch)
         rejoin, self._rejoin = self._rejoin, None
         if rejoin is not None and rejoin.epoch == epoch:
             result = self._rejoin_once(rejoin)
@@ -276,6 +277,16 @@ class NodeAgent:
                                          lambda result: self._replace_in_process(result, epoch))
         finally:
             self.current = None
+
+    def _drop_stale_reports(self, epoch: int) -> None:
+        """What the last attempt's processes sent before they were stopped and nobody read (the
+        agent was re-screening its node): never this attempt's.  A stale step report once counted
+        as the new attempt's first step, 12 s before its workers had even started, and the agent
+        declared its node a stall victim: a second restart from disk (chaos soak, seed 1)."""
+        stale = self.inbox.drain()
+        if stale:
+            self.events.emit("agent.stale_reports", epoch=epoch, count=len(stale),
+                             pids=sorted({int(r.get("pid", 0)) for r in stale})[:16])
 
     def _rejoin_once(self, rejoin: Rejoin) -> AttemptResult | None:
         """Rejoin the running world in-process (:meth:`InProcessWorkers.rejoin`): no torchrun, the

@@ -110,7 +110,7 @@ from elastic.checkpoint.memclient import MemStateClient
 from elastic.checkpoint.snapshot import snapshot_state_dicts
 from elastic.checkpoint.staging import FlatStager
 from elastic.checkpoint.verified import marker_field, newest_trusted, upgrade
-from elastic.checkpoint.publish import EtcdCheckpointPublisher, publisher_from_env
+from elastic.checkpoint.publish import EtcdCheckpointPublisher, LatestPublisher, publisher_from_env
 from elastic.checkpoint.storage import CheckpointStorage, LocalStorage
 from elastic.common import collectives
 from elastic.common.events import EventLog
@@ -130,6 +130,9 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+PUBLISH_FLUSH_S = 5.0
+"""How long :meth:`CheckpointManager.wait` and ``close`` wait for the newest commit's etcd record
+(one attempt: the store's retry deadline, 5 s): the record is a hint, disk is the truth."""
 
 _STALE_KINDS = ("tmp", "old")
 
@@ -181,6 +184,7 @@ class CheckpointManager(CommittedCheckpoints):
     ) -> None:
         self.owner = owner
         self._finalizer: ThreadPoolExecutor | None = None
+        self._latest: LatestPublisher | None = None  # rank 0: publishes commits off the save path
         self._inflight: Future[None] | None = None
         self._closed = False
         if group is None and dist.is_initialized():
@@ -229,7 +233,7 @@ class CheckpointManager(CommittedCheckpoints):
         if self._closed:
             raise CheckpointError("save() after close()")
         t_enter = time.monotonic()
-        self.wait()
+        self._wait_inflight()
         waited_s = time.monotonic() - t_enter
         final = self.root / step_dir_name(step)
         agreed, self._agreed = self._agreed, None
@@ -287,7 +291,7 @@ class CheckpointManager(CommittedCheckpoints):
             snapshot = _Snapshot(token, blob, stager, None if stager is not None else state)
         self._inflight = self._finalizer.submit(self._finalize, step, upload, tmp, final, t0, token, snapshot)
         if not self.config.async_save:
-            self.wait()
+            self._wait_inflight()
         return final
 
     def failing(self) -> str | None:
@@ -341,16 +345,31 @@ class CheckpointManager(CommittedCheckpoints):
     def agree_failing(self) -> str | None:
         """Collective, after a rank learned that :meth:`streak_reached`: every rank takes rank 0's streak
         (once the save in flight has finished) and :meth:`failing` judges it."""
-        self.wait()
+        self._wait_inflight()
         self.failed_in_a_row = collectives.broadcast_object(list(self._streak) if self._rank == 0 else None,
                                                             self.group)
         return self.failing()
 
+    def _publishing(self) -> LatestPublisher:
+        """Rank 0's publisher thread, started with the first commit (it calls whatever
+        ``publisher`` is set then)."""
+        if self._latest is None:
+            self._latest = LatestPublisher(lambda step, path: self.publisher(step, path) if self.publisher else None,
+                                           self.events.emit, _error_fields)
+        return self._latest
+
     def wait(self) -> None:
-        """Block until the in-flight save (if any) is committed or has failed.
+        """Block until the in-flight save (if any) is committed or has failed, and its commit is
+        published (up to ``PUBLISH_FLUSH_S``: etcd down must not hold a caller longer).
 
         Never raises; a failure is in ``last_error`` and the event log.
         """
+        self._wait_inflight()
+        if self._latest is not None:
+            self._latest.flush(PUBLISH_FLUSH_S)
+
+    def _wait_inflight(self) -> None:
+        """The in-flight save only: what the next save waits for (never the publish)."""
         inflight, self._inflight = self._inflight, None
         if inflight is None:
             return
@@ -365,10 +384,12 @@ class CheckpointManager(CommittedCheckpoints):
         """Wait for the in-flight save and stop the background thread (idempotent)."""
         if getattr(self, "_closed", True):
             return
-        self.wait()
+        self._wait_inflight()
         if self._finalizer is not None:
             self._finalizer.shutdown(wait=True)
             self._finalizer = None
+        if self._latest is not None:
+            self._latest.close(PUBLISH_FLUSH_S)
         self._closed = True
 
     def __enter__(self) -> CheckpointManager:
@@ -408,12 +429,7 @@ class CheckpointManager(CommittedCheckpoints):
         log.info("checkpoint step %d committed (%d bytes) at %s", step, nbytes, final)
         self._push_memory(step, snapshot)
         if self.publisher is not None:
-            try:
-                self.publisher(step, str(final))
-                self.events.emit("checkpoint.published", step=step)
-            except _FAILURES as exc:
-                log.warning("publishing checkpoint step %d failed: %s", step, exc)
-                self.events.emit("checkpoint.publish_failed", step=step, **_error_fields(exc))
+            self._publishing()(step, str(final))
         self._upgrade_verified()
         self._retain(protect=step)
 
