@@ -1,6 +1,7 @@
 """Announce committed checkpoints in etcd.
 
-After a commit, rank 0's background thread calls ``publisher(step, path)``.
+After a commit, rank 0 hands ``(step, path)`` to :class:`LatestPublisher`, whose own thread
+calls ``publisher(step, path)`` (newest first, never on the save path).
 :class:`EtcdCheckpointPublisher` writes ``<run_prefix>/checkpoint/latest`` as
 versionless JSON ``{"step", "path", "ts", "world_size"}`` so agents and tools
 can see the newest resumable point without listing the checkpoint directory.
