@@ -62,3 +62,20 @@ def test_without_proc_the_watch_is_inert(monkeypatch):
     watch.recovery_started()
     assert not watch.available
     assert watch.recovered() == {"peak_rss_ratio": None, "peak_rss_mb": None, "steady_rss_mb": None}
+
+
+@needs_proc
+def test_the_steady_state_is_read_once_per_window_and_the_window_keeps_its_peak(monkeypatch):
+    reads = []
+    monkeypatch.setattr(memwatch, "peak_bytes", lambda: reads.append(1) or memwatch._status_bytes("VmHWM"))
+    watch = RecoveryPeak(steady_steps=2, every=10)
+    watch.step_done()  # the first window is one step: a fault right after a start has a steady state
+    assert len(reads) == 1
+    buf = _touch(4 * BUFFER)  # a spike mid-window, freed before the window closes
+    del buf
+    for _ in range(9):
+        watch.step_done()
+    assert len(reads) == 1
+    watch.step_done()
+    assert len(reads) == 2
+    assert watch.steady[-1] >= watch.steady[0] + 4 * BUFFER * 0.9  # the window's peak held the spike
