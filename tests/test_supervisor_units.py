@@ -327,3 +327,47 @@ def test_reports_left_by_the_last_attempt_are_dropped_before_the_next_one(tmp_pa
     [dropped] = [e for e in read_events([tmp_path / "agent.jsonl"]) if e["kind"] == "agent.stale_reports"]
     assert (dropped["epoch"], dropped["count"], dropped["pids"]) == (1, 2, [4242])
     inbox.close()
+
+
+def test_a_loop_blocked_on_etcd_is_not_the_workers_silence(tmp_path):
+    """With the etcd leader killed, a heartbeat put held the agent's loop ~5 s while its workers kept
+    reporting; judged before those reports were read, that was a 5 s "silence" of healthy workers
+    (a hang at a 3 s step_timeout_s).  The reports waiting in the inbox are read first."""
+    import socket
+    import threading
+    from types import SimpleNamespace
+
+    from elastic.agent.attempt import ReportInbox
+    from elastic.agent.failures import ProgressGuard
+    from elastic.agent.metrics import AgentMetrics
+    from elastic.agent.records import NodeRecords
+    from elastic.agent.scopes import RunScope
+    from elastic.agent.supervise import Supervisor
+    from elastic.control.keys import RunKeys
+    from elastic.control.runstate import RunState
+
+    clock = FakeClock()
+    state = RunState(MemoryStore(clock), RunKeys.of("/elastic", "r"))
+    events = EventLog(tmp_path / "agent.jsonl", "agent/node0")
+    inbox = ReportInbox()
+    sup = Supervisor("node0", AgentConfig(heartbeat=HeartbeatConfig(step_timeout_s=3)), state, events,
+                     AgentMetrics("node0", tmp_path), inbox, RunScope(SimpleNamespace(nnodes="2", run_id="r"),
+                                                                        state, events),
+                     NodeRecords(state, "node0", events, lambda: None), ProgressGuard(0), threading.Event(),
+                     lambda: "running")
+    sup.monitor = HeartbeatMonitor(sup.config.heartbeat, clock=clock)
+    sup.monitor.observe({"type": "step", "rank": 0, "pid": 1, "step": 10, "step_time": 0.15})
+    attempt = SimpleNamespace(number=0, runtime_s=lambda: 1.0)
+    host, port = inbox.address.rsplit(":", 1)
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:  # sent while the loop was blocked
+        sock.sendto(json.dumps({"type": "step", "rank": 0, "pid": 1, "step": 40, "step_time": 0.15}).encode(),
+                    (host, int(port)))
+    time.sleep(0.05)  # loopback datagrams: queued at once
+    clock.now += 5.0
+    try:
+        assert sup._silence(attempt, epoch=0) is None  # type: ignore[arg-type]
+        assert sup.monitor.summary()["step"] == 40
+        clock.now += 3.5  # and a real silence after them is still judged
+        assert sup.monitor.check()[0] != Silence.NONE
+    finally:
+        inbox.close()

@@ -373,6 +373,9 @@ class Supervisor:
             # the run is missing and counts against no one, never as this node's init_timeout.
             self.monitor.started = self.monitor.clock()
             return None
+        # The reports that came while this loop was blocked (a heartbeat put waits out an etcd
+        # leader change, ~5 s) are read first: that time is the agent's silence, not the workers'.
+        self._drain(attempt, epoch)
         verdict, detail = self.monitor.check()
         if verdict == Silence.NONE or self._numerics_step is not None:
             return None
