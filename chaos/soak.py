@@ -67,8 +67,13 @@ SPARE_KILL_GAP_S = 2.0
 # The soak injects failures on purpose: the lemon-node policy would exclude their targets, a
 # 30 s hang timeout would make every hang cost a minute, and the restart budgets would run out.
 # Agents look for fault requests every 0.25 s, so a kill meant for a recovery lands in it.
+# The hang timeout is what a hang costs, less ~1 s of recovery: at 6 s a hang alone put p95 over
+# 5 s (seeds 1 and 2: 7.1 s).  3 s is 20 of the tiny DiT's 0.15 s steps, and 2.5x the longest
+# silence between two steps in three 10-minute soaks with every fault (1.2 s: the heap freeze
+# after a start's 4th step; next 0.94 s, a start's 2nd step); a victim's agent still waits 2x.
+# Set it for your own job the same way: well above the longest step-to-step gap it ever shows.
 SOAK_SETS = ["agent.max_restarts=1000", "agent.failure.no_progress_restarts=0", "agent.leader.lemon_failures=0",
-             "agent.heartbeat.step_timeout_s=6", "agent.chaos.poll_s=0.25"]
+             "agent.heartbeat.step_timeout_s=3", "agent.chaos.poll_s=0.25"]
 PARTS = ("productive_s", "startup_s", "recovery_s", "checkpoint_s", "lost_s", "other_s")
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)(ms|s|m|h)?$")
 
