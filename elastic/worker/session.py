@@ -57,7 +57,7 @@ from elastic.worker.faultwatch import PeerAborted, hang_until_torn, wait_unless_
 from elastic.worker.hangprobe import HangProbe
 from elastic.worker.heap import HeapFreeze
 from elastic.control.generations import Plan
-from elastic.worker.inprocess import EXIT_RECOVERY_FAILED, InProcess, is_peer_failure, wait_for_agent
+from elastic.worker.inprocess import EXIT_RECOVERY_FAILED, InProcess, PhaseClock, is_peer_failure, wait_for_agent
 from elastic.worker.memwatch import RecoveryPeak
 from elastic.worker.scalars import ScalarLog
 from elastic.worker.screen import BackgroundScreen
@@ -569,14 +569,17 @@ class WorkerSession:
         self.agent.report_fault(step, self.inproc.gen, lost.error)
         # The old world goes first: a save in flight waits in its collectives, and closing the
         # checkpointer while the world stands could wait on peers that wait on this rank.
+        clock = PhaseClock()
         self.inproc.leave()
         if self.ckpt is not None:
             self.ckpt.close()  # the save in flight fails with the world; committed ones stay
             self.ckpt = None
+        clock.lap("leave_s")
         _release_memory(self.device, self._heap)
+        clock.lap("collect_s")
         for attempt in range(1, REFORM_TRIES + 1):
             try:
-                return self._reform_once(build, t0, lost)
+                return self._reform_once(build, t0, lost, clock.laps)
             except Exception as err:  # noqa: BLE001 - judged below: re-form again or fall back
                 if attempt < REFORM_TRIES and (_retryable(err) or self.inproc.latch.torn()):
                     self.events.emit("trainer.reform_retry", step=step, attempt=attempt, gen=self.inproc.latch.gen,
@@ -587,14 +590,17 @@ class WorkerSession:
                 raise RecoveryFailed(f"{type(err).__name__}: {err}") from err
         raise AssertionError("unreachable")
 
-    def _reform_once(self, build: Callable[[WorkerSession], Trainable], t0: float, lost: LostPeer
-                     ) -> tuple[Trainable, int]:
+    def _reform_once(self, build: Callable[[WorkerSession], Trainable], t0: float, lost: LostPeer,
+                     before: dict[str, float]) -> tuple[Trainable, int]:
+        """One re-formation; ``before``: the phases before it (the old world left, its garbage
+        collected: elastic.worker.heap), reported first in ``trainer.recovered``."""
         assert self.inproc is not None
         self.inproc.leave()  # a retry: the half-formed generation goes before its checkpointer
         if self.ckpt is not None:
             self.ckpt.close()
             self.ckpt = None
         plan = self.inproc.reform(_backend(self.device), pg_timeout(), self.cfg.launch.min_nodes)
+        self.inproc.phases = {**before, **self.inproc.phases}
         self.rank, self.world, self.hooks.rank = self.inproc.rank, plan.world, self.inproc.rank
         self.agent.rank, self.agent.world_size = self.rank, self.world
         self._sync = _sync_tensor(self.device)
