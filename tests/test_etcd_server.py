@@ -35,6 +35,17 @@ def test_free_port_is_below_the_ephemeral_range():
     assert all(free_port() < low for _ in range(20))
 
 
+def test_free_port_never_hands_out_a_port_twice_before_it_is_bound(monkeypatch):
+    """Each call probes and lets go: with the same probe order (here forced), every call found the
+    same free port, and a 3-member cluster's six draws could collide (fresh-clone suite: member 0's
+    peer port was another member's client port)."""
+    from elastic.control import etcd_server
+
+    monkeypatch.setattr(etcd_server.random, "sample", lambda population, k: list(population)[:k])
+    ports = [free_port() for _ in range(6)]
+    assert len(set(ports)) == 6
+
+
 def test_start_moves_to_fresh_ports_when_its_chosen_port_was_taken(tmp_path):
     server = EmbeddedEtcd(data_dir=tmp_path / "d", log_path=tmp_path / "log")
     taken = server.client_port

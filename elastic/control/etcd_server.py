@@ -21,8 +21,10 @@ import signal
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 import urllib.request
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -84,12 +86,26 @@ def free_port(host: str = "127.0.0.1") -> int:
     explicit bind.  Falls back to ``bind(0)`` if no probe succeeds.
     """
     low = _ephemeral_low()
-    for port in random.sample(range(_PORT_FLOOR, low), min(64, max(low - _PORT_FLOOR, 0))):
-        if _can_bind(host, port):
-            return port
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+    with _HANDED_LOCK:
+        for port in random.sample(range(_PORT_FLOOR, low), min(64, max(low - _PORT_FLOOR, 0))):
+            if port not in _HANDED and _can_bind(host, port):
+                return _hand_out(port)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind((host, 0))
+            return _hand_out(sock.getsockname()[1])
+
+
+_HANDED: deque[int] = deque(maxlen=1024)
+"""Ports this process handed out lately, never handed out again while they are here.  Why: each
+call probes and lets go, so two calls before either server binds could return the same port; a
+3-member cluster draws 6 at once (``elastic.control.etcd_cluster``), and a fresh-clone suite failed
+so: member 0's peer port was another member's client port ("bind: address already in use")."""
+_HANDED_LOCK = threading.Lock()
+
+
+def _hand_out(port: int) -> int:
+    _HANDED.append(port)
+    return port
 
 
 _PORT_FLOOR = 20000
