@@ -130,6 +130,10 @@ def last_durable_step(cfg: RunConfig, run_dir: Path) -> int | None:
 
 
 def format_summary(summary: dict[str, Any]) -> str:
+    if summary.get("node_lost"):
+        agents = ", ".join(f"{n} (signal {-rc})" for n, rc in summary["nodes"].items())
+        return (f"run {summary['run_id']}: this node was lost while the run goes on: agent {agents}; "
+                f"the run's summary is written by the launchers that finish it ({summary['run_dir']})")
     lines = [
         f"run {summary['run_id']}: {summary['last_step']}/{summary['steps_target']} steps "
         f"in {summary['wall_s']:.1f}s, {summary['restarts']} restarts "
