@@ -54,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     soak.add_argument("--faults", default="", help="comma-separated fault kinds (default: the soak catalogue)")
     soak.add_argument("--timeout-s", type=float, default=0.0,
                       help="a run still going after this long is a hang (0: 3x duration + 300 s)")
+    soak.add_argument("--standby", type=int, default=1,
+                      help="warm standby nodes beside the job's (elastic-launch --standby); 0: a lost node's "
+                           "own relaunch rejoins")
     inject = sub.add_parser("inject", help="deliver one fault to a node of a running run, through etcd")
     inject.add_argument("fault", help="fault kind (chaos list)")
     inject.add_argument("--etcd-endpoint", required=True)
@@ -172,7 +175,9 @@ def _cmd_soak(args: argparse.Namespace) -> int:
     cfg = SoakConfig(Path(args.out).resolve(), config=Path(args.config).resolve() if args.config else None,
                      num_nodes=args.nodes, steps=args.steps, sets=list(args.set), duration_s=duration, mtbf_s=mtbf,
                      seed=args.seed, faults=faults, etcd_endpoint=args.etcd_endpoint,
-                     timeout_s=args.timeout_s or 3 * duration + 300)
+                     timeout_s=args.timeout_s or 3 * duration + 300, standby=args.standby)
+    if args.standby < 0:
+        raise ConfigError("--standby", f"must be >= 0, got {args.standby}")
     report = run_soak(cfg)
     return 0 if report["ok"] else 1
 

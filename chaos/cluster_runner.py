@@ -92,6 +92,9 @@ class ClusterSpec:
     timeout_s: float = 600.0
     etcd_members: int | None = None
     """Members of the etcd chaos starts; None: 3 when the plan stops a member, else 1."""
+    standby: list[str] = field(default_factory=list)
+    """Warm standby nodes started beside ``nodes`` (``elastic-launch --standby``): each takes the slot
+    of a node the run loses; never a fault's target."""
 
 
 @dataclass
@@ -343,9 +346,9 @@ class ClusterRunner:
     def _node_launch(self, infra: Infra) -> NodeLaunch:
         spec = self.spec
         endpoint = infra.proxy.endpoint if infra.proxy else infra.endpoint
-        return NodeLaunch(spec.config, spec.run_id, spec.run_dir, spec.nodes, spec.node_range, endpoint,
-                          spec.run_dir.parent / "logs", spec.env, spec.overrides, spec.steps, spec.allow_chaos,
-                          infra.lab)
+        return NodeLaunch(spec.config, spec.run_id, spec.run_dir, [*spec.nodes, *spec.standby], spec.node_range,
+                          endpoint, spec.run_dir.parent / "logs", spec.env, spec.overrides, spec.steps,
+                          spec.allow_chaos, infra.lab, standby=set(spec.standby))
 
     def _follow(self, nodes: NodeSet, state: RunState, delivery: AgentDelivery, planned: list[_Planned],
                 events: EventLog, outcome: ClusterOutcome) -> bool:

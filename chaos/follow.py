@@ -84,10 +84,11 @@ class RunFollower:
         return sorted({e["node"] for e in self.of_kind("launcher.agent_started")}, key=_node_order)
 
     def agent_pid(self, node: str) -> int | None:
-        for e in reversed(self.of_kind("launcher.agent_started")):
-            if e.get("node") == node:
-                return int(e["agent_pid"])
-        return None
+        """The newest agent process running as ``node``: its launcher's, or a standby's that took
+        its slot (its ``agent.start`` comes from the node's source)."""
+        started = [(e["ts"], int(e["agent_pid"])) for e in self.of_kind("launcher.agent_started") if e.get("node") == node]
+        started += [(e["ts"], int(e["pid"])) for e in self.of_kind("agent.start") if e.get("source") == f"agent/{node}"]
+        return max(started)[1] if started else None
 
     def workers(self) -> list[Event]:
         """The newest ``trainer.start`` per rank whose process is still alive."""

@@ -46,6 +46,8 @@ class NodeLaunch:
     allow_chaos: set[str] | None = None
     """Nodes started with ``--allow-chaos`` (None: all of them)."""
     lab: NetLab | None = None
+    standby: set[str] = field(default_factory=set)
+    """Nodes started with ``--standby`` (a warm standby that takes a lost node's slot)."""
 
 
 @dataclass
@@ -72,6 +74,8 @@ class NodeSet:
                 "--nodes", spec.node_range, "--local-addr", addr]
         if spec.allow_chaos is None or name in spec.allow_chaos:
             argv.append("--allow-chaos")
+        if name in spec.standby:
+            argv.append("--standby")
         if spec.steps is not None:
             argv += ["--steps", str(spec.steps)]
         for item in spec.overrides:

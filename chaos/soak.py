@@ -37,7 +37,7 @@ from chaos.analysis import Expectation, Invariant, check_run, evidence
 from chaos.cluster_runner import ClusterOutcome, ClusterRunner, ClusterSpec
 from chaos.plan import FaultSpec, RandomPlan
 from chaos.report import plot_timeline, write_json
-from chaos.suite import Job, SuiteConfig, child_env, resolve_job, run_scenario, skipped_steps
+from chaos.suite import Job, SuiteConfig, child_env, resolve_job, run_scenario, skipped_steps, standby_names
 from elastic.common.config import ConfigError
 from elastic.common.events import read_run_events
 from elastic.run.goodput import compute_goodput
@@ -102,6 +102,11 @@ class SoakConfig:
     timeout_s: float = 2100.0
     start_s: float = 0.0
     """No fault before this many seconds into the run (default: a fifth of the duration, max 60 s)."""
+    standby: int = 1
+    """Warm standby nodes beside the job's (``elastic-launch --standby``), in the soak run and its
+    replay: a node lost from the fixed-size world is replaced by one in-process, as a production job
+    that keeps N+1 nodes would; the lost node's relaunch then waits as the next standby.  0: the lost
+    node's own relaunch rejoins (a cold start: 5.6-6.0 s per lost node in three seeds at ada05d8)."""
 
 
 def soaked(cfg: SoakConfig) -> dict[str, float]:
@@ -248,7 +253,8 @@ def goodput_invariant(goodput: dict[str, Any]) -> Invariant:
 
 def _job(cfg: SoakConfig) -> tuple[Job, SuiteConfig]:
     suite = SuiteConfig(cfg.out_dir, config=cfg.config, num_nodes=cfg.num_nodes, steps=cfg.steps,
-                        sets=[*SOAK_SETS, *cfg.sets], timeout_s=cfg.timeout_s, etcd_endpoint=cfg.etcd_endpoint)
+                        sets=[*SOAK_SETS, *cfg.sets], timeout_s=cfg.timeout_s, etcd_endpoint=cfg.etcd_endpoint,
+                        standby=cfg.standby)
     job = resolve_job(suite)
     if cfg.steps is None:
         job.steps = suite.steps = estimated_steps(job, cfg)
@@ -266,7 +272,8 @@ def _soak_run(cfg: SoakConfig, job: Job, faults: list[FaultSpec], stamp: str) ->
                        child_env(), key_prefix=job.cfg.rendezvous.key_prefix, steps=job.steps,
                        overrides=[*SOAK_SETS, *cfg.sets], etcd_endpoint=cfg.etcd_endpoint, proxy=True,
                        netns=any(f.fault == "partition" for f in faults), token=job.token, interval=job.interval,
-                       nproc_per_node=job.cfg.launch.nproc_per_node, requeue=True, timeout_s=cfg.timeout_s)
+                       nproc_per_node=job.cfg.launch.nproc_per_node, requeue=True, timeout_s=cfg.timeout_s,
+                       standby=standby_names(cfg.standby))
     runner = ClusterRunner(spec, faults)
     entry = {"name": "soak", "run_dir": str(spec.run_dir), "run_id": spec.run_id, "nodes": spec.node_range,
              "plan": [f.describe() for f in faults], "etcd_members": runner.etcd_members}
@@ -319,6 +326,7 @@ def run_soak(cfg: SoakConfig, echo=print) -> dict[str, Any]:
     drawn = {f.fault for f in faults}
     report = {"job": str(job.config), "nodes": len(job.nodes), "steps": job.steps, "duration_s": cfg.duration_s,
               "mtbf_s": cfg.mtbf_s, "seed": cfg.seed, "sets": cfg.sets, "etcd_members": entry["etcd_members"],
+              "standby": cfg.standby,
               "planned": len(faults), "injected": injected, "recovered": recovered_n, "requeues": outcome.requeues,
               "refused_nodes": outcome.refused,
               "skipped_batches": skips, "hung": not hang.ok, "goodput": goodput,

@@ -149,6 +149,8 @@ class SuiteConfig:
     etcd_endpoint: str | None = None
     netns: bool | None = None
     """Run the partition scenario (needs root and ``ip``); None: when this host allows it."""
+    standby: int = 0
+    """Warm standby nodes beside the job's (``elastic-launch --standby``; the soak's replay has the soak's)."""
 
 
 @dataclass
@@ -257,7 +259,7 @@ def run_scenario(scenario: Scenario | None, name: str, cfg: SuiteConfig, job: Jo
                        overrides=[*cfg.sets, *(scenario.sets if scenario else [])], etcd_endpoint=cfg.etcd_endpoint,
                        proxy=bool(scenario and scenario.proxy), netns=bool(scenario and scenario.netns),
                        token=job.token, interval=job.interval, nproc_per_node=job.cfg.launch.nproc_per_node,
-                       skip_ranges=list(skip_ranges), timeout_s=cfg.timeout_s)
+                       skip_ranges=list(skip_ranges), timeout_s=cfg.timeout_s, standby=standby_names(cfg.standby))
     t0 = time.monotonic()
     outcome = ClusterRunner(spec, scenario.faults if scenario else []).run()
     entry = {"name": name, "run_dir": str(spec.run_dir), "run_id": spec.run_id, "nodes": spec.node_range,
@@ -265,6 +267,10 @@ def run_scenario(scenario: Scenario | None, name: str, cfg: SuiteConfig, job: Jo
              "elapsed_s": round(time.monotonic() - t0, 1), "node_rcs": outcome.node_rcs,
              "skip_ranges": outcome.skip_ranges}
     return entry, outcome
+
+
+def standby_names(count: int) -> list[str]:
+    return [f"standby{i}" for i in range(count)]
 
 
 def skipped_steps(run_dir: Path, outcome: ClusterOutcome) -> list[tuple[int, int]]:

@@ -36,6 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, help="training steps (trainer.steps)")
     p.add_argument("--allow-chaos", action="store_true",
                    help="execute chaos faults delivered to this node through etcd (agent.chaos.enabled; off by default)")
+    p.add_argument("--standby", action="store_true",
+                   help="cluster mode: a warm standby that takes the slot of a node the run loses (launch.standby)")
     p.add_argument("--fresh", action="store_true",
                    help="start from step 0: move the run dir's checkpoints aside (checkpoints.old-N), never delete")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -56,6 +58,7 @@ _FLAG_FIELDS = {
     "steps": "trainer.steps",
 }
 _ALLOW_CHAOS_FIELD = "agent.chaos.enabled"
+_STANDBY_FIELD = "launch.standby"
 
 
 def field_flags() -> dict[str, str]:
@@ -63,6 +66,7 @@ def field_flags() -> dict[str, str]:
     flags = {dotted: f"--{attr.replace('_', '-')}" for attr, dotted in _FLAG_FIELDS.items()}
     flags.update({dotted: flag for flag, dotted in SECURITY_FLAGS.items()})
     flags[_ALLOW_CHAOS_FIELD] = "--allow-chaos"
+    flags[_STANDBY_FIELD] = "--standby"
     return flags
 
 
@@ -78,6 +82,8 @@ def resolve_config(args: argparse.Namespace) -> RunConfig:
     cfg = apply_security_flags(cfg, args)
     if args.allow_chaos:
         cfg = override(cfg, _ALLOW_CHAOS_FIELD, True)
+    if args.standby:
+        cfg = override(cfg, _STANDBY_FIELD, True)
     for item in args.set:
         key, sep, raw = item.partition("=")
         if not sep or not key:

@@ -105,6 +105,20 @@ class ReportInbox:
         self._sock.close()
 
 
+def base_env(inprocess: bool) -> dict[str, str]:
+    """A worker's environment before its node's and attempt's settings (a standby's spare starts
+    with only this: its node comes with the slot it takes)."""
+    env = dict(os.environ)
+    # Restarted gloo workers cannot reuse the agent-shared TCPStore (measured: they read
+    # the previous attempt's addresses); a fresh MASTER_PORT per attempt works.
+    env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    env["OMP_NUM_THREADS"] = env.get("OMP_NUM_THREADS", "1")
+    if inprocess:
+        for name, value in ABORT_SAFE_ENV.items():
+            env.setdefault(name, value)
+    return env
+
+
 class TorchrunAttempt:
     """One ``torchrun`` process tree under this agent."""
 
@@ -139,14 +153,7 @@ class TorchrunAttempt:
         ]
 
     def env(self) -> dict[str, str]:
-        env = dict(os.environ)
-        # Restarted gloo workers cannot reuse the agent-shared TCPStore (measured: they read
-        # the previous attempt's addresses); a fresh MASTER_PORT per attempt works.
-        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-        env["OMP_NUM_THREADS"] = env.get("OMP_NUM_THREADS", "1")
-        if self.worker_env.inprocess:
-            for name, value in ABORT_SAFE_ENV.items():
-                env.setdefault(name, value)
+        env = base_env(bool(self.worker_env.inprocess))
         for name, value in self.worker_env.to_env().items():
             if value:
                 env[name] = value

@@ -193,6 +193,21 @@ def _death_kind(rc: int) -> FailureKind | None:
     return FailureKind.WORKER_SIGNAL if rc < 0 else FailureKind.WORKER_ERROR
 
 
+WarmSpare = tuple[subprocess.Popen[bytes], Path]
+"""A started spare process and its log (its "ready" and "warm" lines)."""
+
+
+def spawn_spare(entrypoint: list[str], env: dict[str, str], log_dir: Path) -> WarmSpare:
+    """Start a warm spare (``elastic.worker.spare``): it imports torch and the trainer now and takes
+    a slot (or a replay check) when a line on its stdin says so."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log_path = log_dir / f"spare-{int(time.time() * 1000)}.log"
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "elastic.worker.spare", *entrypoint], stdin=subprocess.PIPE,
+                                stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    return proc, log_path
+
+
 class InProcessWorkers:
     """The node's workers once torchrun is retired (see the module docstring).
 
@@ -216,6 +231,7 @@ class InProcessWorkers:
         self.gen = 0
         self.step = 0  # the newest step a slot's worker reported (where a fault hits)
         self.spare: subprocess.Popen[bytes] | None = None
+        self.adopted: list[WarmSpare] = []
         self.spare_log = Path()
         self._ready_pid = 0  # the spare whose log said "ready"
         self.spare_deaths: list[float] = []  # when spares died unassigned (a node that keeps killing them)
@@ -293,13 +309,20 @@ class InProcessWorkers:
 
     def start_spare(self) -> None:
         assert self._attempt is not None
-        self.spare_log = self._attempt.dir / f"spare-{int(time.time() * 1000)}.log"
-        log = open(self.spare_log, "ab")
-        cmd = [sys.executable, "-m", "elastic.worker.spare", *self.spec.entrypoint]
-        self.spare = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT,
-                                      env=self._attempt.env(), start_new_session=True)
-        log.close()
+        self.spare, self.spare_log = spawn_spare(self.spec.entrypoint, self._attempt.env(), self._attempt.dir)
         self.events.emit("agent.spare_started", spare_pid=self.spare.pid)
+
+    def adopt_spares(self, spares: list[WarmSpare]) -> None:
+        """Spares this process started before it knew its node (a standby's: elastic.agent.standby),
+        warm by now; a node that rejoins gives its slots to them before it starts any."""
+        self.adopted = list(spares)
+
+    def _next_spare(self) -> None:
+        if self.adopted:
+            self.spare, self.spare_log = self.adopted.pop(0)
+            self.events.emit("agent.spare_adopted", spare_pid=self.spare.pid)
+        else:
+            self.start_spare()
 
     def _new_spare(self) -> None:
         """Start a spare unless three died unassigned within a minute (something kills them: stop
@@ -502,7 +525,7 @@ class InProcessWorkers:
         if self.memstate is not None and self.memstate.buddy_link is not None:
             self.memstate.buddy_link.invalidate()
         for local in sorted(ranks0):
-            self.start_spare()
+            self._next_spare()
             if not self._assign(local, plan.gen + 1, screen if local == min(ranks0) else ""):
                 return False
         # While the slots' processes import (seconds): no worker can restore before this node joins

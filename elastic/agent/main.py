@@ -6,15 +6,22 @@ import argparse
 import os
 import signal
 import sys
+import threading
 from pathlib import Path
 
-from elastic.agent.attempt import NodeSpec
+from elastic.agent.attempt import NodeSpec, base_env
+from elastic.agent.inprocess import WarmSpare, spawn_spare
 from elastic.agent.node import NodeAgent
-from elastic.common.exits import EXIT_CONFIG
+from elastic.agent.slots import Claimant, SlotClaims
+from elastic.agent.standby import Standby
+from elastic.common.events import EventLog
+from elastic.common.exits import EXIT_CONFIG, EXIT_SLOT_TAKEN
 from elastic.common.config import ConfigError, to_dict
 from elastic.common.procs import set_parent_death_signal
-from elastic.control.admission import Admission, join_fingerprint
-from elastic.control.store import StoreAuthError, StoreTLSError
+from elastic.control.admission import Admission, Refused, join_fingerprint
+from elastic.control.keys import RunKeys
+from elastic.control.runstate import RunState
+from elastic.control.store import EtcdStore, StoreAuthError, StoreTLSError
 from elastic.run.schema import RunConfig, load_run_file
 
 
@@ -29,19 +36,69 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def build_agent(cfg: RunConfig, args: argparse.Namespace, token: str | None) -> NodeAgent:
+def worker_entrypoint(cfg: RunConfig, args: argparse.Namespace) -> list[str]:
+    return [*cfg.entrypoint(), "--config", args.config, "--run-dir", args.run_dir]
+
+
+def build_agent(cfg: RunConfig, args: argparse.Namespace, token: str | None, node_id: str | None = None,
+                spares: list[WarmSpare] | None = None) -> NodeAgent:
+    """The agent of ``node_id`` (default ``--node-id``; a standby's: the node whose slot it took)."""
     run_dir = Path(args.run_dir)
+    node_id = node_id or args.node_id
     spec = NodeSpec(
-        run_id=args.run_id, node_id=args.node_id, endpoint=args.etcd_endpoint, run_dir=run_dir,
+        run_id=args.run_id, node_id=node_id, endpoint=args.etcd_endpoint, run_dir=run_dir,
         nnodes=cfg.launch.nodes, nproc_per_node=cfg.launch.nproc_per_node,
-        entrypoint=[*cfg.entrypoint(), "--config", args.config, "--run-dir", str(run_dir)],
-        local_addr=args.local_addr,
+        entrypoint=worker_entrypoint(cfg, args), local_addr=args.local_addr,
     )
-    admission = Admission(run_id=args.run_id, node_id=args.node_id, token=token,
-                          fingerprint=join_fingerprint(to_dict(cfg)), join_check=cfg.security.join_check)
-    return NodeAgent(spec, cfg.agent, cfg.rendezvous, admission, memory=cfg.checkpoint.memory, replicas=cfg.replicas,
-                     inprocess=cfg.inprocess_recovery(),
-                     checkpoint_root=cfg.checkpoint.root(run_dir), sdc_replay=cfg.sdc.replay)
+    return NodeAgent(spec, cfg.agent, cfg.rendezvous, admission(cfg, args, token, node_id),
+                     memory=cfg.checkpoint.memory, replicas=cfg.replicas, inprocess=cfg.inprocess_recovery(),
+                     checkpoint_root=cfg.checkpoint.root(run_dir), sdc_replay=cfg.sdc.replay,
+                     claimant=Claimant.this_process(args.node_id), spares=spares)
+
+
+def admission(cfg: RunConfig, args: argparse.Namespace, token: str | None, node_id: str) -> Admission:
+    return Admission(run_id=args.run_id, node_id=node_id, token=token,
+                     fingerprint=join_fingerprint(to_dict(cfg)), join_check=cfg.security.join_check)
+
+
+def wait_as_standby(cfg: RunConfig, args: argparse.Namespace, token: str | None
+                    ) -> tuple[str, list[WarmSpare]] | int:
+    """Start the warm spares, then wait for a lost node's slot (elastic.agent.standby): the node id
+    and the spares, or the exit code once the run is over or this process is stopped.  Admitted
+    first: a standby the run would refuse (token, code, config) must not claim a slot it cannot take."""
+    keys = RunKeys.of(cfg.rendezvous.key_prefix, args.run_id)
+    state = RunState(EtcdStore(args.etcd_endpoint, retry_deadline=min(15.0, cfg.agent.etcd_wait_s)), keys)
+    events = EventLog(Path(args.run_dir) / "events" / f"standby-{args.node_id}.jsonl", f"standby/{args.node_id}")
+    try:
+        admission(cfg, args, token, args.node_id).check(state.store, keys, events)
+    except Refused as exc:
+        print(f"elastic-agent: standby {args.node_id}: refused: {exc}", file=sys.stderr)
+        return exc.code
+    spares = _start_spares(cfg, args)
+    needed = int(str(cfg.launch.nodes).partition(":")[0])
+    claims = SlotClaims(state, Claimant.this_process(args.node_id))
+    got = Standby(state, claims, events, _stop_on_signal(), needed).wait(spares)
+    events.close()
+    if isinstance(got, str):
+        return got, spares
+    for proc, _ in spares:
+        proc.kill()
+        proc.wait()
+    return got
+
+
+def _start_spares(cfg: RunConfig, args: argparse.Namespace) -> list[WarmSpare]:
+    """One warm spare per local rank, with only the base environment: the node comes with the slot."""
+    log_dir = Path(args.run_dir) / "torchrun" / args.node_id / "standby"
+    return [spawn_spare(worker_entrypoint(cfg, args), base_env(inprocess=True), log_dir)
+            for _ in range(cfg.launch.nproc_per_node)]
+
+
+def _stop_on_signal() -> threading.Event:
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    return stop
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -57,10 +114,27 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"elastic-agent: config error: {exc}", file=sys.stderr)
         return EXIT_CONFIG
-    agent = build_agent(cfg, args, token)
-    agent.install_signal_handlers()
     try:
-        return agent.run()
+        return _run(cfg, args, token)
     except (StoreAuthError, StoreTLSError) as exc:
         print(f"elastic-agent: node {args.node_id}: etcd error: {exc}", file=sys.stderr)
         return EXIT_CONFIG
+
+
+def _run(cfg: RunConfig, args: argparse.Namespace, token: str | None) -> int:
+    """Run as ``--node-id``, or first wait as a standby (``launch.standby``) for the node whose
+    slot it takes; a node whose slot a standby took meanwhile waits as a standby too."""
+    standby = cfg.launch.standby
+    while True:
+        node_id, spares = args.node_id, []
+        if standby:
+            got = wait_as_standby(cfg, args, token)
+            if isinstance(got, int):
+                return got
+            node_id, spares = got
+        agent = build_agent(cfg, args, token, node_id, spares)
+        agent.install_signal_handlers()
+        code = agent.run()
+        if code != EXIT_SLOT_TAKEN:
+            return code
+        standby = True

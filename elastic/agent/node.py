@@ -39,15 +39,16 @@ from elastic.agent.leaving import Leaving
 from elastic.agent.metrics import AgentMetrics, MeteredEventLog
 from elastic.agent.outage import EtcdUnreachable, EtcdWait
 from elastic.agent.records import NodeRecords
-from elastic.agent.inprocess import InProcessWorkers, inprocess_env, memory_store, peer_address
+from elastic.agent.inprocess import InProcessWorkers, WarmSpare, inprocess_env, memory_store, peer_address
 from elastic.agent.metrics import serve_metrics
 from elastic.agent.remote_faults import RemoteFaults
 from elastic.agent.scopes import make_scope
 from elastic.agent.screener import Screener
+from elastic.agent.slots import Claimant, SlotClaims
 from elastic.agent.supervise import Supervisor
 from elastic.checkpoint.config import MemoryCacheConfig
 from elastic.common.env import WorkerEnv
-from elastic.common.exits import EXIT_EXCLUDED, EXIT_FAILURE
+from elastic.common.exits import EXIT_EXCLUDED, EXIT_FAILURE, EXIT_SLOT_TAKEN
 from elastic.common.procs import become_subreaper
 from elastic.common.events import EventLog
 from elastic.control.admission import Admission, Refused
@@ -81,7 +82,8 @@ class NodeAgent:
     def __init__(self, spec: NodeSpec, config: AgentConfig, rdzv: RendezvousConfig, admission: Admission | None = None,
                  memory: MemoryCacheConfig | None = None, replicas: ReplicaConfig | None = None,
                  store: KVStore | None = None, inprocess: bool = False,
-                 checkpoint_root: Path | None = None, sdc_replay: bool = False) -> None:
+                 checkpoint_root: Path | None = None, sdc_replay: bool = False,
+                 claimant: Claimant | None = None, spares: list[WarmSpare] | None = None) -> None:
         self.spec, self.config, self.rdzv, self.admission = spec, config, rdzv, admission
         self.sdc_replay = sdc_replay  # replay verification may roll the run back: read sdc/rollback per attempt
         # One store call gives up within etcd_wait_s at most; EtcdWait bounds the waiting in all.
@@ -120,6 +122,10 @@ class NodeAgent:
         self.supervisor.sdc_replay = sdc_replay
         self._screen_spec: dict | None = None
         self._rejoin: Rejoin | None = None  # set at the start when this node rejoins in-process
+        # Who runs as this node id (elastic.agent.slots); a standby's agent holds its claim already.
+        self.claims = SlotClaims(self.state, claimant or Claimant.this_process(spec.node_id))
+        self._spares = list(spares or [])  # a standby's warm spares, for the slots it rejoins with
+        self._slot_lost = False
         self.remote = RemoteFaults(config.chaos, spec.node_id, spec.run_id, spec.run_dir,
                                    checkpoint_root or spec.run_dir / "checkpoints", self.state, self.events,
                                    admission.token if admission is not None else None)
@@ -163,7 +169,8 @@ class NodeAgent:
             if self._leader is not None:
                 self._leader.close()
             if self.records.lease is not None:
-                self.records.left(self.status.value)  # a clean exit, not a lost node
+                if not self._slot_lost:  # the node's membership is the claimant's now, not ours to end
+                    self.records.left(self.status.value)  # a clean exit, not a lost node
                 self.records.lease.close(revoke=True)
             if self.memstate is not None:
                 self.memstate.close()
@@ -175,6 +182,9 @@ class NodeAgent:
         code = self._admit()
         if code is not None:
             return code
+        taken = self.etcd.call("slot check", self._slot_taken)
+        if taken is not None:
+            return taken
         self.records.lease = self.etcd.call("lease grant", lambda: LeaseKeeper(
             self.store, self.config.lease_ttl_s, on_lost=lambda: self.events.emit("agent.lease_lost")))
         self._set_state(AgentState.REGISTERED)
@@ -184,7 +194,12 @@ class NodeAgent:
                                   on_tick=lambda leader: self.scope.on_leader_tick(leader, self.records.lease_id))
         self._leader.start()
         self._rejoin = self.etcd.call("rejoin check", self._rejoinable)
+        if self._rejoin is not None and not self.etcd.call("slot claim", self._claim_slot):
+            self._slot_lost = True
+            self.events.emit("agent.slot_taken", node=self.spec.node_id, why="claimed by another as this node rejoined")
+            return EXIT_SLOT_TAKEN
         if self._rejoin is None:  # a node that rejoins in-process must not move the run to a new epoch
+            self._drop_spares("this node does not rejoin a running world")
             self.etcd.call("join", lambda: self.scope.join_running(3 * self.config.heartbeat.publish_interval_s))
         while not self._stop.is_set():
             epoch = self.etcd.call("epoch read", self.state.epoch)
@@ -253,6 +268,34 @@ class NodeAgent:
                 return None
         return None
 
+    def _slot_taken(self) -> int | None:
+        """:data:`EXIT_SLOT_TAKEN` when another process runs as this node id now (a standby took the
+        slot while this node was away): this process must not register as the node (its record is
+        the other's), and waits as a standby instead (elastic.agent.main)."""
+        epoch = self.state.epoch()
+        # The plan is read only when there is a claim: a node never taken over reads two keys here.
+        newest = Generations(self.store, self.keys, epoch).newest_plan
+        held = self.claims.held_by_other(self.spec.node_id, epoch, newest)
+        if held is None:
+            return None
+        self.events.emit("agent.slot_taken", node=self.spec.node_id, by=held.get("by"), host=held.get("host"),
+                         holder_pid=held.get("pid"), since_gen=held.get("gen"))
+        return EXIT_SLOT_TAKEN
+
+    def _claim_slot(self) -> bool:
+        assert self._rejoin is not None
+        return self.claims.try_claim(self.spec.node_id, self._rejoin.epoch, self._rejoin.plan)
+
+    def _drop_spares(self, why: str) -> None:
+        if not self._spares:
+            return
+        pids = [proc.pid for proc, _ in self._spares]
+        for proc, _ in self._spares:
+            proc.kill()
+            proc.wait()
+        self._spares = []
+        self.events.emit("agent.spares_dropped", pids=pids, why=why)
+
     def _run_once(self, epoch: int) -> AttemptResult:
         self._drop_stale_reports(epoch)
         rejoin, self._rejoin = self._rejoin, None
@@ -298,6 +341,8 @@ class NodeAgent:
         attempt.started = time.monotonic()
         assert self.inprocess is not None
         workers = InProcessWorkers(self.spec, self.inprocess, self.state, self.events, self.memstate, rejoin.epoch)
+        workers.adopt_spares(self._spares)
+        self._spares = []
         self.events.emit("agent.rejoin_start", epoch=rejoin.epoch, gen=rejoin.plan.gen, nodes=rejoin.plan.nodes,
                          gone=list(rejoin.plan.gone)[:20])
         if not workers.rejoin(attempt, attempt.worker_env, rejoin.plan, rejoin.ranks0, attempt.worker_env.screen):

@@ -43,7 +43,7 @@ EXIT_FINGERPRINT = 95
 # addresses (workers, metrics endpoint), how it reaches etcd, which credentials it holds,
 # whether it executes chaos faults, rank 0's TensorBoard output, and the derived checkpoint fingerprint.
 PER_NODE_FIELDS = ("run.dir", "launch.node_id", "launch.etcd_endpoint", "launch.local_addr",
-                   "launch.respawn_excluded", "agent.metrics", "agent.chaos", "tensorboard", "etcd", "security",
+                   "launch.respawn_excluded", "launch.standby", "agent.metrics", "agent.chaos", "tensorboard", "etcd", "security",
                    "fingerprint")
 
 _PBKDF2_ITERATIONS = 100_000

@@ -145,6 +145,11 @@ class RunKeys:
     def nodes(self) -> str:
         return self._k("nodes", "")
 
+    def slot(self, node_id: str) -> str:
+        """Which process runs as ``node_id`` since a standby or the node itself claimed it back
+        (elastic.agent.slots)."""
+        return self._k("slots", node_id)
+
     def heartbeat(self, node_id: str) -> str:
         return self._k("heartbeat", node_id)
 

@@ -196,6 +196,9 @@ class RunState:
     def put_node(self, node_id: str, record: dict[str, Any], lease: int | None = None) -> None:
         self._put(self.keys.node(node_id), record, lease)
 
+    def node(self, node_id: str) -> dict[str, Any] | None:
+        return self._record(self.keys.node(node_id))
+
     def nodes(self) -> dict[str, dict[str, Any]]:
         return self._records(self.keys.nodes)
 

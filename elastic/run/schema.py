@@ -108,6 +108,13 @@ class LaunchConfig:
     respawn_excluded: bool = False
     """Local mode: restart a simulated node's agent once its exclusion expires or is cleared
     (a repaired node coming back), so an elastic run grows again."""
+    standby: bool = False
+    """Cluster mode (``elastic-launch --standby``): this host is a warm standby.  It starts its warm
+    spares at once and waits; when a fixed-size run loses a node, it claims that node's slot and
+    rejoins as that node, in-process, without the lost node's relaunch and cold start
+    (:mod:`elastic.agent.standby`).  ``launch.node_id`` is then the standby's own name.  A node
+    relaunched after a standby took its slot waits as a standby itself.  Needs in-process recovery
+    (agent.inprocess.enabled, with rejoin_wait_s > 0)."""
 
     def __post_init__(self) -> None:
         try:
@@ -118,6 +125,8 @@ class LaunchConfig:
             raise ConfigError("nproc_per_node", "must be >= 1")
         if self.etcd_members not in (1, 3):
             raise ConfigError("etcd_members", f"must be 1 or 3, got {self.etcd_members}")
+        if self.standby and not self.etcd_endpoint:
+            raise ConfigError("standby", "a standby joins a cluster run: needs launch.etcd_endpoint")
         if self.etcd_members != 1 and self.etcd_endpoint:
             raise ConfigError("etcd_members", "only for local mode (the embedded etcd); etcd_endpoint is set")
         if self.workload and self.entrypoint:
@@ -243,6 +252,10 @@ class RunConfig:
         must suit the trainer (e.g. split its global batch).  Workers started by plain torchrun read
         the same file without it: their world is what torchrun gave them."""
         workload = self.workload()
+        if self.launch.standby and not (self.inprocess_recovery() and self.agent.inprocess.rejoin_wait_s > 0):
+            raise ConfigError("launch.standby", "a standby takes a lost node's slot in-process: needs "
+                                                "agent.inprocess.enabled (a workload that supports it, no "
+                                                "replicas) and agent.inprocess.rejoin_wait_s > 0")
         if workload is not None and self.replicas.enabled:
             self._check_replica_groups(workload)
             return
