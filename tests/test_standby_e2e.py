@@ -70,3 +70,32 @@ def test_a_standby_takes_a_lost_nodes_slot_in_process_and_the_run_ends_bitwise(b
     assert [e["kind"] for e in events if e["pid"] == back_pid and e["kind"] in
             ("agent.slot_taken", "agent.rejoin", "standby.waiting", "standby.released")] == [
         "agent.slot_taken", "standby.waiting", "standby.released"]
+
+
+def test_a_standby_that_fails_its_screen_is_excluded_before_it_can_take_a_slot(tmp_path, etcd_endpoint,
+                                                                               subprocess_env):
+    config = write_run_config(tmp_path, agent={"preflight": {"enabled": True, "checks": ["gemm"]}})
+    run = tmp_path / "run"
+    (run / "faults").mkdir(parents=True)
+    (run / "faults" / "diag-standby0.yaml").write_text("gemm: {tflops_scale: 0.1}\n")  # a tenth of this host's
+    standby = _cluster_node(config, etcd_endpoint, "standby0", subprocess_env, "--standby")
+    out, _ = standby.communicate(timeout=120)
+    assert standby.returncode == 93, out  # excluded: do not requeue
+    events = read_run_events(run)
+    (excluded,) = [e for e in events if e["kind"] == "standby.excluded"]
+    assert "gemm" in excluded["reason"]
+    assert not [e for e in events if e["kind"] == "standby.waiting"]
+    assert len(list((run / "torchrun" / "standby0" / "standby").glob("spare-*.log"))) == 1  # started beside the screen
+    assert not _spares_of(run)  # and gone with the standby
+
+
+def _spares_of(run: Path) -> list[int]:
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            cmd = (proc / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"elastic.worker.spare" in cmd and str(run).encode() in cmd:
+            found.append(int(proc.name))
+    return found

@@ -12,10 +12,11 @@ from pathlib import Path
 from elastic.agent.attempt import NodeSpec, base_env
 from elastic.agent.inprocess import WarmSpare, spawn_spare
 from elastic.agent.node import NodeAgent
+from elastic.agent.screener import Screener
 from elastic.agent.slots import Claimant, SlotClaims
 from elastic.agent.standby import Standby
 from elastic.common.events import EventLog
-from elastic.common.exits import EXIT_CONFIG, EXIT_SLOT_TAKEN
+from elastic.common.exits import EXIT_CONFIG, EXIT_EXCLUDED, EXIT_SLOT_TAKEN
 from elastic.common.config import ConfigError, to_dict
 from elastic.common.procs import set_parent_death_signal
 from elastic.control.admission import Admission, Refused, join_fingerprint
@@ -53,7 +54,7 @@ def build_agent(cfg: RunConfig, args: argparse.Namespace, token: str | None, nod
     return NodeAgent(spec, cfg.agent, cfg.rendezvous, admission(cfg, args, token, node_id),
                      memory=cfg.checkpoint.memory, replicas=cfg.replicas, inprocess=cfg.inprocess_recovery(),
                      checkpoint_root=cfg.checkpoint.root(run_dir), sdc_replay=cfg.sdc.replay,
-                     claimant=Claimant.this_process(args.node_id), spares=spares)
+                     claimant=Claimant.this_process(args.node_id), spares=spares, screened=bool(spares))
 
 
 def admission(cfg: RunConfig, args: argparse.Namespace, token: str | None, node_id: str) -> Admission:
@@ -75,9 +76,11 @@ def wait_as_standby(cfg: RunConfig, args: argparse.Namespace, token: str | None
         print(f"elastic-agent: standby {args.node_id}: refused: {exc}", file=sys.stderr)
         return exc.code
     spares = _start_spares(cfg, args)
-    needed = int(str(cfg.launch.nodes).partition(":")[0])
-    claims = SlotClaims(state, Claimant.this_process(args.node_id))
-    got = Standby(state, claims, events, _stop_on_signal(), needed).wait(spares)
+    got = _screen_standby(cfg, args, state, events)
+    if got is None:
+        needed = int(str(cfg.launch.nodes).partition(":")[0])
+        claims = SlotClaims(state, Claimant.this_process(args.node_id))
+        got = Standby(state, claims, events, _stop_on_signal(), needed).wait(spares)
     events.close()
     if isinstance(got, str):
         return got, spares
@@ -85,6 +88,30 @@ def wait_as_standby(cfg: RunConfig, args: argparse.Namespace, token: str | None
         proc.kill()
         proc.wait()
     return got
+
+
+def _screen_standby(cfg: RunConfig, args: argparse.Namespace, state: RunState, events: EventLog) -> int | None:
+    """A standby is screened while it waits (``diag burnin``, as a pre-flight screen), not in the first
+    worker of the slot it takes: that worker's screen ran beside the survivors' recovery (0.39 s of
+    CPU in a soak; on a GPU, GEMM and bandwidth checks its first step would wait for).  None when it
+    passed, else the exit code after excluding itself (93: do not requeue)."""
+    preflight = cfg.agent.preflight
+    excluded = state.exclusions.get(args.node_id)
+    # As an agent judges its own exclusion: one by a failed screen is lifted by passing one.
+    if excluded is not None and not (preflight.enabled and excluded.get("by") in ("preflight", "rescreen")):
+        events.emit("standby.excluded", reason=excluded.get("reason"), until=excluded.get("until"))
+        return EXIT_EXCLUDED
+    if not preflight.enabled:
+        return None
+    result = Screener(preflight, args.node_id, Path(args.run_dir), args.etcd_endpoint, state, events).screen(
+        "standby pre-flight")
+    if result.passed:
+        if excluded is not None:
+            state.exclusions.clear(args.node_id)
+        return None
+    state.exclusions.add(args.node_id, result.reason, ttl_s=cfg.agent.preflight.exclusion_ttl_s, by="preflight")
+    events.emit("standby.excluded", reason=result.reason)
+    return EXIT_EXCLUDED
 
 
 def _start_spares(cfg: RunConfig, args: argparse.Namespace) -> list[WarmSpare]:

@@ -83,7 +83,8 @@ class NodeAgent:
                  memory: MemoryCacheConfig | None = None, replicas: ReplicaConfig | None = None,
                  store: KVStore | None = None, inprocess: bool = False,
                  checkpoint_root: Path | None = None, sdc_replay: bool = False,
-                 claimant: Claimant | None = None, spares: list[WarmSpare] | None = None) -> None:
+                 claimant: Claimant | None = None, spares: list[WarmSpare] | None = None,
+                 screened: bool = False) -> None:
         self.spec, self.config, self.rdzv, self.admission = spec, config, rdzv, admission
         self.sdc_replay = sdc_replay  # replay verification may roll the run back: read sdc/rollback per attempt
         # One store call gives up within etcd_wait_s at most; EtcdWait bounds the waiting in all.
@@ -126,6 +127,7 @@ class NodeAgent:
         self.claims = SlotClaims(self.state, claimant or Claimant.this_process(spec.node_id))
         self._spares = list(spares or [])  # a standby's warm spares, for the slots it rejoins with
         self._slot_lost = False
+        self._screened = screened  # a standby that took a slot was screened while it waited
         self.remote = RemoteFaults(config.chaos, spec.node_id, spec.run_id, spec.run_dir,
                                    checkpoint_root or spec.run_dir / "checkpoints", self.state, self.events,
                                    admission.token if admission is not None else None)
@@ -230,6 +232,8 @@ class NodeAgent:
                 self.state.exclusions.clear(self.spec.node_id)
                 self.events.emit("agent.exclusion_cleared", previous_reason=excluded.get("reason"))
             return code
+        if self._screened:
+            return None
         if self.config.preflight.enabled and self.inprocess is not None:
             self._screen_spec = self.screener.worker_spec()  # runs inside the first worker, alongside its start
             return None
