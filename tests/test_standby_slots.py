@@ -88,3 +88,11 @@ def test_a_standby_leaves_a_world_that_may_shrink_and_ends_with_the_run(tmp_path
     state.store.delete(KEYS.done)
     state.request_stop("saves failing", by="node0", code=88)
     assert _standby(state, tmp_path, stop, needed=3).wait([]) == 88
+
+
+def test_a_standby_takes_a_slot_lost_while_it_waits(tmp_path):
+    state = _state()
+    state.store.put(KEYS.epoch, "0")
+    _plan(state, 1, (), 4)
+    threading.Timer(0.3, lambda: _plan(state, 2, ("node1",), 3)).start()  # a loss after the standby's first look
+    assert _standby(state, tmp_path, threading.Event()).wait([]) == "node1"

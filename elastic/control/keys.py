@@ -281,6 +281,10 @@ class RunKeys:
         """Prefix of generation ``gen`` of ``epoch``: every key of one in-process re-formation."""
         return self._k("gen", str(epoch), str(gen), "")
 
+    def generations(self, epoch: int) -> str:
+        """Prefix of every generation of ``epoch`` (a standby watches it for a plan that loses a node)."""
+        return self._k("gen", str(epoch), "")
+
     def gen_member(self, epoch: int, node: str) -> str:
         """A node's generation-0 record: its slots and their ranks (the roster every round starts from)."""
         return self.gen_members(epoch) + node
