@@ -16,7 +16,7 @@ from elastic.agent.screener import Screener
 from elastic.agent.slots import Claimant, SlotClaims
 from elastic.agent.standby import Standby
 from elastic.common.events import EventLog
-from elastic.common.exits import EXIT_CONFIG, EXIT_EXCLUDED, EXIT_SLOT_TAKEN
+from elastic.common.exits import EXIT_CONFIG, EXIT_EXCLUDED
 from elastic.common.config import ConfigError, to_dict
 from elastic.common.procs import set_parent_death_signal
 from elastic.control.admission import Admission, Refused, join_fingerprint
@@ -162,6 +162,6 @@ def _run(cfg: RunConfig, args: argparse.Namespace, token: str | None) -> int:
         agent = build_agent(cfg, args, token, node_id, spares)
         agent.install_signal_handlers()
         code = agent.run()
-        if code != EXIT_SLOT_TAKEN:
+        if not agent.slot_taken:
             return code
         standby = True

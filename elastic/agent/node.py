@@ -48,7 +48,7 @@ from elastic.agent.slots import Claimant, SlotClaims
 from elastic.agent.supervise import Supervisor
 from elastic.checkpoint.config import MemoryCacheConfig
 from elastic.common.env import WorkerEnv
-from elastic.common.exits import EXIT_EXCLUDED, EXIT_FAILURE, EXIT_SLOT_TAKEN
+from elastic.common.exits import EXIT_EXCLUDED, EXIT_FAILURE
 from elastic.common.procs import become_subreaper
 from elastic.common.events import EventLog
 from elastic.control.admission import Admission, Refused
@@ -126,7 +126,8 @@ class NodeAgent:
         # Who runs as this node id (elastic.agent.slots); a standby's agent holds its claim already.
         self.claims = SlotClaims(self.state, claimant or Claimant.this_process(spec.node_id))
         self._spares = list(spares or [])  # a standby's warm spares, for the slots it rejoins with
-        self._slot_lost = False
+        # Set when another process runs as this node id (elastic.agent.slots): main waits as a standby.
+        self.slot_taken = False
         self._screened = screened  # a standby that took a slot was screened while it waited
         self.remote = RemoteFaults(config.chaos, spec.node_id, spec.run_id, spec.run_dir,
                                    checkpoint_root or spec.run_dir / "checkpoints", self.state, self.events,
@@ -171,7 +172,7 @@ class NodeAgent:
             if self._leader is not None:
                 self._leader.close()
             if self.records.lease is not None:
-                if not self._slot_lost:  # the node's membership is the claimant's now, not ours to end
+                if not self.slot_taken:  # the node's membership is the claimant's now, not ours to end
                     self.records.left(self.status.value)  # a clean exit, not a lost node
                 self.records.lease.close(revoke=True)
             if self.memstate is not None:
@@ -197,9 +198,9 @@ class NodeAgent:
         self._leader.start()
         self._rejoin = self.etcd.call("rejoin check", self._rejoinable)
         if self._rejoin is not None and not self.etcd.call("slot claim", self._claim_slot):
-            self._slot_lost = True
+            self.slot_taken = True
             self.events.emit("agent.slot_taken", node=self.spec.node_id, why="claimed by another as this node rejoined")
-            return EXIT_SLOT_TAKEN
+            return EXIT_FAILURE
         if self._rejoin is None:  # a node that rejoins in-process must not move the run to a new epoch
             self._drop_spares("this node does not rejoin a running world")
             self.etcd.call("join", lambda: self.scope.join_running(3 * self.config.heartbeat.publish_interval_s))
@@ -273,9 +274,9 @@ class NodeAgent:
         return None
 
     def _slot_taken(self) -> int | None:
-        """:data:`EXIT_SLOT_TAKEN` when another process runs as this node id now (a standby took the
-        slot while this node was away): this process must not register as the node (its record is
-        the other's), and waits as a standby instead (elastic.agent.main)."""
+        """An exit code when another process runs as this node id now (a standby took the slot while
+        this node was away; :attr:`slot_taken` says so): this process must not register as the node
+        (its record is the other's), and waits as a standby instead (elastic.agent.main)."""
         epoch = self.state.epoch()
         # The plan is read only when there is a claim: a node never taken over reads two keys here.
         newest = Generations(self.store, self.keys, epoch).newest_plan
@@ -284,7 +285,8 @@ class NodeAgent:
             return None
         self.events.emit("agent.slot_taken", node=self.spec.node_id, by=held.get("by"), host=held.get("host"),
                          holder_pid=held.get("pid"), since_gen=held.get("gen"))
-        return EXIT_SLOT_TAKEN
+        self.slot_taken = True
+        return EXIT_FAILURE
 
     def _claim_slot(self) -> bool:
         assert self._rejoin is not None

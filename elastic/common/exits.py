@@ -16,9 +16,6 @@ EXIT_SCREEN_FAILED = 92
 """The node failed the screen its first worker ran: it leaves before its first step, the agent excludes it."""
 EXIT_EXCLUDED = 93
 """Do not requeue: the node is on the run's exclusion list."""
-EXIT_SLOT_TAKEN = 94
-"""Between a node agent and its process's main, never a process's exit code: another process runs as
-this node id now (a standby took the slot, elastic.agent.slots); this one waits as a standby."""
 
 RUN_STOP_CODES = {"checkpoint": EXIT_CHECKPOINT}
 """Failure kinds whose stop of the run the launcher exits with a code of its own instead of
