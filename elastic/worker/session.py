@@ -266,7 +266,10 @@ class WorkerSession:
                 inproc.pusher.events = self.events
                 inproc.pusher.kill_during = lambda step: self.hooks.snapshot_kill(step)
                 inproc.pusher.corrupt_during = lambda step: self.hooks.snapshot_corrupt(step)
-        self.ckpt = self._checkpoints() if checkpoints else None
+        # A warm spare's checkpoint group is made in _start, where a peer lost while it forms re-forms
+        # the world: made here, that loss (its new_group's store gone) failed the slot (soak seed 3).
+        joining = inproc is not None and inproc.joining
+        self.ckpt = self._checkpoints() if checkpoints and not joining else None
         # The node screen runs while this worker builds and loads; the first step waits for it.
         self.screen = BackgroundScreen.from_env(int(os.environ.get("LOCAL_RANK", "0")))
         self._sync = _sync_tensor(device)
@@ -499,9 +502,13 @@ class WorkerSession:
 
         The build is inside: a fault pushed while a spare builds the model tears its groups down
         under it (soak seed 2: ``mesh["dp"]`` then raised "Default process group has not been
-        initialized", the spare exited 1, and its node fell back to disk with "no warm spare")."""
+        initialized", the spare exited 1, and its node fell back to disk with "no warm spare").
+        So is a joining spare's checkpoint group (soak seed 3: its ``new_group`` raised
+        ``DistNetworkError``, same ending, 15.8 s)."""
         lost = None
         try:
+            if self.ckpt is None and self.checkpoints:  # a joining spare's (see __init__)
+                self.ckpt = self._checkpoints()
             run = build(self)
             return self._resume(run), run
         except Exception as exc:  # a peer failure is handled below; anything else re-raises
