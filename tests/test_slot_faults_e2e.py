@@ -5,6 +5,8 @@ real launcher, agents, etcd, torchrun, gloo workers and warm spares.
   worker's slot goes to the new spare (or the run falls back to disk); never SUCCEEDED mid-run;
 * an agent frozen 3 s (SIGSTOP) right after its worker died: the slot is not re-pointed at the dead
   worker's late reports, the run completes bitwise;
+* a worker killed while another node's warm spare, joining after a first kill, makes its checkpoint
+  group (soak seed 3): the spare re-forms with the survivors, no restart from disk;
 * a node lost in the last seconds of a run: named in the summary as a ``node_lost`` fault, and the
   recovery that shrank the world says that the trajectory changed.
 """
@@ -21,6 +23,7 @@ import pytest
 import yaml
 
 from elastic.common.events import read_run_events
+from elastic.worker.faults import write_fault
 from tests.launch_helpers import kill_node, start_launcher, wait_for_event, worker_pid, write_run_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -71,6 +74,32 @@ def test_spare_killed_then_worker_the_run_completes_bitwise(baseline_run, tmp_pa
     assert summary["final_checksum"] == baseline_run["summary"]["final_checksum"]
     # One counted failure (the worker; a spare is no rank), named once.
     assert summary["restarts_counted"] == 1 and [f["node"] for f in summary["faults"]] == ["node1"]
+
+
+def test_a_worker_killed_while_a_joining_spare_makes_its_checkpoint_group(baseline_run, tmp_path, subprocess_env):
+    """node1's worker is killed; its spare, joining, stops 2 s before its checkpoint group (a fault at
+    the join point) while node0's worker is killed too.  The spare must re-form for the next
+    generation; before the fix it made that group outside the re-formation, exited 1, and the run
+    restarted from disk (soak seed 3: 15.8 s, 8 steps redone)."""
+    config = write_run_config(tmp_path, step_sleep=SLOW)
+
+    def act(run_dir: Path, proc) -> float:
+        for node in ("node0", "node1"):
+            wait_for_event(run_dir, lambda e, n=node: e["kind"] == "agent.spare_started" and e["source"] == f"agent/{n}",
+                           timeout=150, proc=proc)
+        write_fault(run_dir, "join-block", {"kind": "block", "node": "node1", "at": "join", "duration_s": 2})
+        kill_ts = time.time()
+        os.kill(worker_pid(run_dir, "node1"), signal.SIGKILL)
+        wait_for_event(run_dir, lambda e: e["kind"] == "fault.fired" and e["fault"] == "block", timeout=30, proc=proc)
+        os.kill(worker_pid(run_dir, "node0"), signal.SIGKILL)
+        return kill_ts
+
+    summary, events, kill_ts = _run(config, subprocess_env, act)
+    assert summary["last_step"] == 16 and summary["nodes"] == {"node0": 0, "node1": 0}
+    recovered = [e for e in events if e["kind"] == "trainer.recovered" and e["ts"] > kill_ts]
+    assert recovered and all(e["path"] == "inprocess" for e in recovered)
+    assert not [e for e in events if e["kind"] in ("agent.epoch_bump", "checkpoint.loaded") and e["ts"] > kill_ts]
+    assert summary["final_checksum"] == baseline_run["summary"]["final_checksum"]
 
 
 def test_an_agent_frozen_during_a_replacement_does_not_lose_the_slot(baseline_run, tmp_path, subprocess_env):

@@ -8,6 +8,7 @@ writes the same files on the target node)::
     {"kind": "straggle",  "rank": 0, "from_step": 5, "to_step": 30, "delay_s": 0.5}
     {"kind": "hang",      "rank": 2, "step": 8}            # SIGSTOP itself at that step
     {"kind": "block",     "rank": 2, "step": 8, "duration_s": 600}  # asleep outside any collective
+    {"kind": "block", "node": "node1", "at": "join", "duration_s": 2}  # a joining spare, before its checkpoint group
     {"kind": "exit",      "rank": 1, "step": 9, "code": 1}  # die with an exit code (crash)
     {"kind": "ckpt_write_error", "step": 10}               # the checkpoint writer raises ENOSPC
     {"kind": "snapshot_kill", "rank": 1, "step": 12}       # SIGKILL itself halfway through the step's snapshot push
@@ -47,6 +48,8 @@ FAULTS_DIR = "faults"
 ONCE_BY_DEFAULT = {"nan_loss": True, "hang": True, "exit": True, "ckpt_write_error": True, "straggle": False,
                    "snapshot_kill": True, "block": True, "snapshot_corrupt": False, "sdc": True}
 KINDS = frozenset(ONCE_BY_DEFAULT)
+JOIN = "join"
+"""A fault's ``at`` for a warm spare joining a generation (:meth:`FaultHooks.joining`), not a step."""
 
 
 class FaultSpecError(ValueError):
@@ -71,6 +74,8 @@ class Fault:
         return rank in want if isinstance(want, list) else rank == int(want)
 
     def active_at(self, step: int) -> bool:
+        if self.spec.get("at") == JOIN:
+            return False  # fired only by FaultHooks.joining
         if "step" in self.spec:
             return step == int(self.spec["step"])
         lo = int(self.spec.get("from_step", 0))
@@ -148,7 +153,7 @@ class FaultHooks:
     def _matching(self, kind: str, step: int) -> list[Fault]:
         return [f for f in self._faults() if f.kind == kind and f.targets(self.rank, self.node) and f.active_at(step)]
 
-    def _fire(self, fault: Fault, step: int) -> None:
+    def _fire(self, fault: Fault, step: int | None) -> None:
         if self.events is not None:
             self.events.emit("fault.fired", fault=fault.kind, step=step, rank=self.rank, file=fault.path.name)
         if fault.once:
@@ -174,6 +179,15 @@ class FaultHooks:
             # a rank waiting on its peers; only where it sleeps can (elastic.agent.hangs).
             self._fire(fault, step)
             time.sleep(float(fault.spec.get("duration_s", 3600)))
+
+    def joining(self) -> None:
+        """A warm spare joining a generation, before it makes its checkpoint group: a ``block`` with
+        ``"at": "join"`` sleeps here, so that a test can land a second fault while the spare forms
+        (soak seed 3 found that race by chance: tests/test_slot_faults_e2e.py)."""
+        for fault in self._faults():
+            if fault.kind == "block" and fault.spec.get("at") == JOIN and fault.targets(self.rank, self.node):
+                self._fire(fault, None)
+                time.sleep(float(fault.spec.get("duration_s", 2)))
 
     def loss(self, step: int, value: Any) -> Any:
         """The loss, or NaN of the same type where a nan_loss fault says so."""

@@ -302,6 +302,8 @@ class WorkerSession:
             session.close()
 
     def _checkpoints(self) -> CheckpointManager:
+        if self.inproc is not None and self.inproc.joining:
+            self.hooks.joining()
         root = self.cfg.checkpoint.root(self.run_dir)
         # Checkpoint collectives get their own gloo group, so they can never interleave with
         # FSDP's collectives on the default group (measured crash otherwise).
