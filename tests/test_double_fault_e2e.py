@@ -44,7 +44,10 @@ def test_a_worker_lost_while_the_world_shrinks_is_recovered_from_memory(tmp_path
     # The shrunk generation (1) never trained: every rank recovered into generation 2, from the
     # snapshots of generation 0, resharded from 4 ranks to 3.
     assert {(e["gen"], e["world_size"]) for e in recovered} == {(2, 3)}, [(e["source"], e["gen"]) for e in recovered]
-    assert not [e for e in events if e["kind"] == "trainer.step" and kill_ts < e["ts"] < second[0]]
+    # Judged by the generation each step names, not by its time: a generation-0 step whose
+    # collectives finished before the kill landed may log just after ``kill_ts`` (CI, stop 43).
+    assert not [e for e in events if e["kind"] == "trainer.step" and e["gen"] == 1]
+    assert not [e for e in events if e["kind"] == "trainer.step" and kill_ts < e["ts"] < second[0] and e["gen"] != 0]
     assert all(not e["bitwise"] and "resharded" in e["trajectory_changed"] for e in recovered)
     assert _steps_lost(events, kill_ts) <= 1
     assert summary["last_step"] == 120 and summary["nodes"]["node2"] == -9

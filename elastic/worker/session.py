@@ -442,8 +442,10 @@ class WorkerSession:
         """Record a trained step: event, report to the agent, scalars; returns its duration."""
         step_time = self.step_time()
         busy = step_time - self._wait
-        self.events.emit("trainer.step", step=step, loss=loss, step_time=step_time, busy_time=busy, **fields)
-        self.agent.report_step(step, loss, step_time, busy, gen=self.inproc.gen if self.inproc else 0)
+        gen = self.inproc.gen if self.inproc else 0  # which world trained it: a re-formation's tests read it
+        self.events.emit("trainer.step", step=step, loss=loss, step_time=step_time, busy_time=busy, gen=gen,
+                         **fields)
+        self.agent.report_step(step, loss, step_time, busy, gen=gen)
         self.scalars.step(step, loss, step_time, **(scalars or {}))
         return step_time
 
