@@ -5,6 +5,8 @@ real launcher, agents, etcd, torchrun, gloo workers and warm spares.
   worker's slot goes to the new spare (or the run falls back to disk); never SUCCEEDED mid-run;
 * an agent frozen 3 s (SIGSTOP) right after its worker died: the slot is not re-pointed at the dead
   worker's late reports, the run completes bitwise;
+* the same once the node's spare zygote is ready: the new spare is forked from it at once and
+  takes the dead worker's slot;
 * a worker killed while another node's warm spare, joining after a first kill, makes its checkpoint
   group (soak seed 3): the spare re-forms with the survivors, no restart from disk;
 * a node lost in the last seconds of a run: named in the summary as a ``node_lost`` fault, and the
@@ -73,6 +75,35 @@ def test_spare_killed_then_worker_the_run_completes_bitwise(baseline_run, tmp_pa
     assert len(spares) >= 2  # the dead spare was replaced by a new one
     assert summary["final_checksum"] == baseline_run["summary"]["final_checksum"]
     # One counted failure (the worker; a spare is no rank), named once.
+    assert summary["restarts_counted"] == 1 and [f["node"] for f in summary["faults"]] == ["node1"]
+
+
+def test_a_spare_killed_after_the_zygote_is_ready_is_forked_again_and_takes_the_next_slot(
+        baseline_run, tmp_path, subprocess_env):
+    """The soaks' costliest pair (spare killed, a worker 2 s later: the new spare was still
+    importing) once the node's zygote is ready: the replacement is forked, and it is the one the
+    dead worker's slot goes to; the run recovers in-process and ends bitwise."""
+    config = write_run_config(tmp_path, step_sleep=1.0)  # 16 s of steps: the zygote is ready well before
+
+    def act(run_dir: Path, proc) -> tuple[float, dict]:
+        wait_for_event(run_dir, lambda e: e["kind"] == "agent.spare_zygote_ready" and e["source"] == "agent/node1",
+                       timeout=150, proc=proc)
+        first = [e for e in read_run_events(run_dir) if e["kind"] == "agent.spare_started" and e["source"] == "agent/node1"]
+        os.kill(first[-1]["spare_pid"], signal.SIGKILL)
+        forked = wait_for_event(run_dir, lambda e: e["kind"] == "agent.spare_started" and e["source"] == "agent/node1"
+                                and e["forked"], timeout=30, proc=proc)
+        kill_ts = time.time()
+        os.kill(worker_pid(run_dir, "node1"), signal.SIGKILL)
+        return kill_ts, forked
+
+    summary, events, (kill_ts, forked) = _run(config, subprocess_env, act)
+    assert summary["last_step"] == 16 and summary["nodes"] == {"node0": 0, "node1": 0}
+    (replace,) = [e for e in events if e["kind"] == "agent.inprocess_replace" and e["ts"] > kill_ts]
+    assert replace["spare_pid"] == forked["spare_pid"]
+    recovered = [e for e in events if e["kind"] == "trainer.recovered" and e["ts"] > kill_ts]
+    assert recovered and all(e["path"] == "inprocess" for e in recovered)
+    assert not [e for e in events if e["kind"] in ("agent.epoch_bump", "checkpoint.loaded") and e["ts"] > kill_ts]
+    assert summary["final_checksum"] == baseline_run["summary"]["final_checksum"]
     assert summary["restarts_counted"] == 1 and [f["node"] for f in summary["faults"]] == ["node1"]
 
 

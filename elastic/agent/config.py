@@ -100,6 +100,13 @@ class InProcessConfig:
     false: every fault restarts every worker through a new torchrun (the epoch path)."""
     spare: bool = True
     """Keep one warm spare worker per node (torch and the trainer imported) to replace a dead one."""
+    spare_fork: bool = True
+    """Fork replacement spares from a per-node zygote that has imported torch and the trainer once
+    (``elastic.worker.zygote``): a spare replaced in milliseconds instead of the seconds an import
+    takes, so a worker lost soon after its node's spare is not left without one.  It costs one more
+    process per node (its pages shared with the spares it forks); the node's first spare is started
+    as before.  It forks only single-threaded (``OMP_NUM_THREADS`` above 1 lets BLAS start threads
+    at import): otherwise it says so (``agent.spare_zygote_failed``) and spares are started."""
     join_timeout_s: float = 60.0
     """How long workers wait for the next generation to form before falling back to a restart."""
     probe_timeout_s: float = 1.0

@@ -41,12 +41,13 @@ from elastic.agent.attempt import AttemptResult, NodeSpec, Outcome, TorchrunAtte
 from elastic.agent.classify import FailureKind, stopping_failure
 from elastic.agent.config import InProcessConfig
 from elastic.agent.peerwatch import PeerWatch
+from elastic.agent.sparefork import ForkedSpare, SpareFactory
 from elastic.checkpoint.memclient import ClientPool, MemStateClient
 from elastic.checkpoint.memstate import Chunk, MemStateError, MemStateServer, RoundBoard, SnapMeta
 from elastic.common.env import WorkerEnv
 from elastic.common.events import EventLog
 from elastic.common.exits import EXIT_CHECKPOINT, EXIT_CONFIG, EXIT_NUMERICS, EXIT_RECOVERY_FAILED, EXIT_SCREEN_FAILED
-from elastic.common.procs import NotOurChild, reap, reap_quietly, terminate_tree
+from elastic.common.procs import UNKNOWN_EXIT, NotOurChild, reap, reap_quietly, terminate_tree
 from elastic.control.generations import GenerationFailed, Generations, Plan, plan_in_place
 from elastic.control.genround import NodeRound
 from elastic.control.runstate import RunState
@@ -165,10 +166,6 @@ _FEW = 8
 _DELIBERATE = frozenset({EXIT_NUMERICS, EXIT_SCREEN_FAILED, EXIT_CONFIG, EXIT_CHECKPOINT})
 
 
-UNKNOWN_EXIT = 255
-"""The status of a slot's process that this agent cannot wait for (torchrun reaped it before it
-retired): it ended, how is unknown; a failure, never a success."""
-
 
 def _exit_status(pid: int) -> int | None:
     try:
@@ -193,7 +190,7 @@ def _death_kind(rc: int) -> FailureKind | None:
     return FailureKind.WORKER_SIGNAL if rc < 0 else FailureKind.WORKER_ERROR
 
 
-WarmSpare = tuple[subprocess.Popen[bytes], Path]
+WarmSpare = tuple["subprocess.Popen[bytes] | ForkedSpare", Path]
 """A started spare process and its log (its "ready" and "warm" lines)."""
 
 
@@ -230,7 +227,9 @@ class InProcessWorkers:
         self.detached = False
         self.gen = 0
         self.step = 0  # the newest step a slot's worker reported (where a fault hits)
-        self.spare: subprocess.Popen[bytes] | None = None
+        self.spare: subprocess.Popen[bytes] | ForkedSpare | None = None
+        self.factory: SpareFactory | None = None  # the node's spare zygote (elastic.agent.sparefork)
+        self._zygote_off = ""  # why this attempt forks no spares
         self.adopted: list[WarmSpare] = []
         self.spare_log = Path()
         self._ready_pid = 0  # the spare whose log said "ready"
@@ -308,9 +307,53 @@ class InProcessWorkers:
             self.events.emit("agent.store_error", op="register_node", error=str(exc)[:300])
 
     def start_spare(self) -> None:
+        """A new warm spare: forked from the node's zygote when it is ready (milliseconds), else
+        started (it imports torch and the trainer: seconds); then the zygote, if there is none yet."""
         assert self._attempt is not None
-        self.spare, self.spare_log = spawn_spare(self.spec.entrypoint, self._attempt.env(), self._attempt.dir)
-        self.events.emit("agent.spare_started", spare_pid=self.spare.pid)
+        t0 = time.monotonic()
+        forked = self._fork_spare()
+        self.spare, self.spare_log = forked or spawn_spare(self.spec.entrypoint, self._attempt.env(), self._attempt.dir)
+        self.events.emit("agent.spare_started", spare_pid=self.spare.pid, forked=forked is not None,
+                         start_ms=round((time.monotonic() - t0) * 1000, 1))
+        self._start_zygote()
+
+    def _fork_spare(self) -> WarmSpare | None:
+        factory = self.factory
+        if factory is None or self._attempt is None:
+            return None
+        log_path = self._attempt.dir / f"spare-{int(time.time() * 1000)}.log"
+        spare = factory.fork(self._attempt.env(), log_path)
+        if spare is None and factory.state in ("gone", "unforkable"):
+            self._drop_zygote(factory.state, factory.error or json.dumps(factory.hello))
+        return (spare, log_path) if spare is not None else None  # type: ignore[return-value]
+
+    def _start_zygote(self) -> None:
+        if self.factory is not None or self._zygote_off or not self.config.spare_fork or self._attempt is None:
+            return
+        self.factory = SpareFactory(self.spec.entrypoint, self._attempt.env(), self._attempt.dir)
+        self.events.emit("agent.spare_zygote_started", zygote_pid=self.factory.pid)
+
+    def _watch_zygote(self) -> None:
+        """Say once when the zygote is ready (a spare lost after that is replaced at once)."""
+        factory = self.factory
+        if factory is None:
+            return
+        ready = factory.ready()
+        if factory.state in ("gone", "unforkable"):
+            self._drop_zygote(factory.state, factory.error or json.dumps(factory.hello))
+        if not ready or factory.announced:
+            return
+        factory.announced = True
+        self.events.emit("agent.spare_zygote_ready", zygote_pid=factory.pid, import_s=factory.hello.get("import_s"))
+
+    def _drop_zygote(self, state: str, why: str) -> None:
+        """This attempt's spares are started again (no second zygote: one that died or could not
+        fork would only cost another import)."""
+        if self.factory is None:
+            return
+        self.events.emit("agent.spare_zygote_failed", zygote_pid=self.factory.pid, state=state, error=why[:300])
+        self.factory.close()
+        self.factory, self._zygote_off = None, why or state
 
     def adopt_spares(self, spares: list[WarmSpare]) -> None:
         """Spares this process started before it knew its node (a standby's: elastic.agent.standby),
@@ -392,6 +435,7 @@ class InProcessWorkers:
         ``on_failure(result) -> bool`` decides (and accounts) whether a dead worker may be replaced.
         """
         self._check_spare()
+        self._watch_zygote()
         for local, pid in sorted(self.pids.items()):
             if local in self.finished:
                 continue
@@ -411,6 +455,7 @@ class InProcessWorkers:
             self._closed.set()
             self.peers.close()
             self._close_fds()
+            self._close_zygote()
             self.events.emit("agent.workers_done", gen=self.gen)
             return AttemptResult(Outcome.SUCCEEDED, 0)
         self.join_wanted()
@@ -794,9 +839,15 @@ class InProcessWorkers:
         self.push_fault(node, "node_lost", f"node {node}: {reason}; {verdict}",
                         gen=max(self.gen, max(self._rounds, default=0)))
 
+    def _close_zygote(self) -> None:
+        if self.factory is not None:
+            self.factory.close()
+            self.factory = None
+
     # -- stop -------------------------------------------------------------------------------------------------
     def stop(self, grace_s: float) -> list[int]:
         pids = [pid for local, pid in self.pids.items() if local not in self.finished]
+        self._close_zygote()
         if self.spare is not None:
             pids.append(self.spare.pid)
             self.spare = None

@@ -125,6 +125,11 @@ def become_subreaper() -> bool:
         return False
 
 
+UNKNOWN_EXIT = 255
+"""The status of a child process that this agent cannot wait for (torchrun reaped it before it
+retired): it ended, how is unknown; a failure, never a success."""
+
+
 class NotOurChild(LookupError):
     """``waitpid`` says the pid is not a child of this process: its exit status is not ours to read."""
 

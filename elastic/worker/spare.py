@@ -30,6 +30,7 @@ from types import ModuleType
 from typing import Any
 
 from elastic.common.procs import set_parent_death_signal
+from elastic.worker.zygote import ZYGOTE_FD_ENV, run_zygote
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -39,17 +40,27 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     # The spare is the agent's child: it goes when the agent goes.
     set_parent_death_signal(signal.SIGKILL)
+    zygote_fd = os.environ.pop(ZYGOTE_FD_ENV, "")
+    if zygote_fd:  # the node's spare zygote: it forks the spares
+        return run_zygote(int(zygote_fd), args[1], args[2:])
     t0 = time.monotonic()
     import torch  # noqa: F401  (the point of a warm spare: this import is already paid when it is needed)
 
-    module = importlib.import_module(args[1])
+    return serve(importlib.import_module(args[1]), args[2:], t0)
+
+
+def serve(module: ModuleType, argv: list[str], t0: float, forked_from: int | None = None) -> int:
+    """A spare's life once the trainer is imported: say so, wait for a line, take a slot (never
+    returns then) or replay checks until the input ends (0).  ``forked_from``: the zygote it was
+    forked from (``elastic.worker.zygote``), for its "ready" line."""
+    origin = {"forked_from": forked_from} if forked_from else {}
     print(json.dumps({"spare": "ready", "pid": os.getpid(), "import_s": round(time.monotonic() - t0, 3),
-                      "ts": time.time()}), flush=True)
+                      "ts": time.time(), **origin}), flush=True)
     # FSDP2's first DTensor op imports torch._dynamo (sharding propagation): 0.9 s of a spare's
     # 1.2 s from its assignment to joining the generation (cProfile of a DiT spare, 4 local nodes).
     # In a thread after "ready": an assignment that comes first is not held back by it (the
     # trainer's own import of it then waits on the import lock, never imports twice).
-    threading.Thread(target=_warm, args=(t0, module, args[2:]), name="warm-dynamo", daemon=True).start()
+    threading.Thread(target=_warm, args=(t0, module, argv), name="warm-dynamo", daemon=True).start()
     while True:
         line = sys.stdin.readline()
         if not line.strip():
@@ -57,12 +68,12 @@ def main(argv: list[str] | None = None) -> int:
         assignment = json.loads(line)
         if "verify" not in assignment:
             break
-        verify_niced(module, args[2:], Path(assignment["verify"]), arbiter=bool(assignment.get("arbiter")))
+        verify_niced(module, argv, Path(assignment["verify"]), arbiter=bool(assignment.get("arbiter")))
     _take_slot()
     os.environ.update({str(k): str(v) for k, v in assignment["env"].items()})
     print(json.dumps({"spare": "assigned", "slot": assignment.get("slot"), "gen": assignment["env"].get("ELASTIC_JOIN_GEN"),
                       "wait_s": round(time.monotonic() - t0, 3)}), flush=True)
-    code = int(module.main(args[2:]) or 0)
+    code = int(module.main(argv) or 0)
     # Leave as a torchrun-started worker does (session.exit_process), never through interpreter
     # teardown: a spare that took a slot holds the process groups of every generation it joined,
     # and their C++ threads' destructors aborted one at exit ("terminate called without an active
