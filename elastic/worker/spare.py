@@ -12,6 +12,8 @@ worker session joins the world in-process (:mod:`elastic.worker.inprocess`).  En
 without an assignment means the agent no longer needs it: it exits 0.
 
 The module name comes from the command line, so the runtime does not import any trainer by name.
+Replacement spares are forked from the node's zygote (:mod:`elastic.worker.zygote`: the same
+command line, with ``ELASTIC_SPARE_ZYGOTE_FD`` set), which runs :func:`serve` in each fork.
 """
 
 from __future__ import annotations
