@@ -16,8 +16,10 @@ How (the agent's side is :mod:`elastic.agent.sparefork`):
   takes the CPU the training ranks leave idle; the main thread, which forks, keeps the normal
   priority, and so do the spares it forks.
 * It forks only while it has one thread: a fork copies the calling thread only, and a lock held
-  by another thread at that moment would stay held in the child forever.  A zygote with more threads
-  after its imports says ``unforkable`` and the agent starts spares as before.
+  by another thread at that moment would stay held in the child forever.  Nor once CUDA is
+  initialised: a CUDA context does not survive a fork (each spare makes its own after its
+  assignment, as a started one does).  A zygote with more threads or a CUDA context after its
+  imports says ``unforkable`` and the agent starts spares as before.
 * The imported heap is collected and frozen (``gc.freeze``) before the first fork: a child's
   collections then never touch (and so never copy) the pages it shares with the zygote.
 * A request carries the spare's environment and two descriptors (``SCM_RIGHTS``): the read end of
@@ -61,9 +63,10 @@ def run_zygote(fd: int, module_name: str, argv: list[str]) -> int:
     module = _import_niced(module_name)
     gc.collect()
     gc.freeze()
-    threads = thread_count()
-    state = "ready" if threads == 1 else "unforkable"
-    _send(sock, {"zygote": state, "pid": os.getpid(), "threads": threads, "import_s": round(time.monotonic() - t0, 3)})
+    threads, cuda = thread_count(), _cuda_initialized()
+    state = "ready" if threads == 1 and not cuda else "unforkable"
+    _send(sock, {"zygote": state, "pid": os.getpid(), "threads": threads, "cuda_initialized": cuda,
+                 "import_s": round(time.monotonic() - t0, 3)})
     if state != "ready":
         return 3
     while True:
@@ -76,6 +79,14 @@ def run_zygote(fd: int, module_name: str, argv: list[str]) -> int:
 def thread_count() -> int:
     """Threads of this process, the native ones included (``/proc/self/task``)."""
     return len(os.listdir("/proc/self/task"))
+
+
+def _cuda_initialized() -> bool:
+    """A CUDA context does not survive a fork (the child's first CUDA call fails): the trainer's
+    import must not have made one, and the zygote never forks if it did."""
+    import torch
+
+    return bool(torch.cuda.is_initialized())
 
 
 def _import_niced(module_name: str) -> ModuleType:
