@@ -40,12 +40,15 @@ def cpu_expected(device: Any, floor: float | None, unscaled: float, scale: float
     A GPU has a peak to compare with, so ``tflops_scale: 0.3`` means "30 % of what it
     should do" and fails.  A CPU has only a floor; without this, the same knob would
     pass on a CPU host and chaos could not make a CPU node look slow.  So with a scale
-    injected on the CPU, the host's own unscaled measurement is the expectation (never
-    below the floor): the injected fraction is judged by the same warn / fail fractions.
+    injected on the CPU, the host's own unscaled measurement is the expectation: the
+    injected fraction is judged by the same warn / fail fractions, whatever the host's
+    speed.  Not the floor where the host is below it: a loaded 2-core host measured bf16
+    GEMM at half the CPU floor, and ``tflops_scale: 0.42`` (a warn) then failed
+    (tests/test_diag_checks.py, a fresh suite); without a knob the floor judges as before.
     """
     if device.type != "cpu" or scale == 1.0:
         return floor
-    return max(floor or 0.0, unscaled)
+    return unscaled
 
 
 def judge(measured: float, expected: float | None, warn_fraction: float, fail_fraction: float) -> tuple[str, str]:
