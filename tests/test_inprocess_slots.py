@@ -11,6 +11,7 @@ in for workers and spares; the in-memory store stands in for etcd (no etcd call 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -22,6 +23,7 @@ from elastic.agent.attempt import NodeSpec, Outcome, TorchrunAttempt
 from elastic.agent.classify import FailureKind
 from elastic.agent.config import InProcessConfig
 from elastic.agent.inprocess import UNKNOWN_EXIT, InProcessWorkers
+from elastic.agent.sparefork import ForkedSpare
 from elastic.common.env import WorkerEnv
 from elastic.common.events import EventLog, read_events
 from elastic.common.procs import NotOurChild, reap
@@ -365,3 +367,52 @@ def test_a_plan_that_still_counts_a_node_found_lost_is_faulted_at_once(slots):
     workers._check_counts(Plan(gen=1, old_world=4, by="node1"))  # written in place by node1: counts node2
     pushed = workers.board.wait_fault(0, 1, timeout_s=1)
     assert pushed["ok"] and pushed["value"]["gen"] == 1 and pushed["value"]["node"] == "node2"
+
+
+class _ReadyZygote:
+    """A zygote that is ready and forks ``proc`` (a real child standing in for a forked spare)."""
+
+    def __init__(self, proc: subprocess.Popen[bytes]) -> None:
+        self.proc, self.forks = proc, 0
+        self.state, self.announced, self.pid, self.hello, self.error = "ready", False, 0, {"import_s": 1.0}, ""
+
+    def ready(self) -> bool:
+        return True
+
+    def fork(self, env: dict, log_path: Path) -> ForkedSpare:
+        self.forks += 1
+        assert self.proc.stdin is not None
+        return ForkedSpare(self.proc.pid, os.dup(self.proc.stdin.fileno()))
+
+
+_WAITING = "import sys, time; sys.stdin.readline(); time.sleep(30)"
+
+
+def test_a_spare_still_importing_gives_way_to_a_forked_one_once_the_zygote_is_ready(slots, tmp_path):
+    workers, children, _, events = slots
+    importing, stand_in = _child(_WAITING), _child(_WAITING)
+    children += [importing, stand_in]
+    workers.spare, workers.spare_log = importing, tmp_path / "importing.log"  # no "warm" line yet
+    workers.factory = zygote = _ReadyZygote(stand_in)
+    workers._watch_zygote()
+    assert isinstance(workers.spare, ForkedSpare) and workers.spare.pid == stand_in.pid
+    assert importing.poll() == -9  # the importing one is gone, reaped
+    (started,) = [e for e in events() if e["kind"] == "agent.spare_started"]
+    assert started["forked"] and started["replaced_importing"] == importing.pid
+    workers._watch_zygote()
+    assert zygote.forks == 1  # a forked spare is kept
+
+
+@pytest.mark.parametrize("why", ["warm", "checking"])
+def test_a_warm_spare_or_one_with_a_replay_check_is_kept(slots, tmp_path, why):
+    workers, children, _, _ = slots
+    spare, stand_in = _child(_WAITING), _child(_WAITING)
+    children += [spare, stand_in]
+    log = tmp_path / "spare.log"
+    log.write_text('{"spare": "ready"}\n' + ('{"spare": "warm"}\n' if why == "warm" else ""))
+    workers.spare, workers.spare_log = spare, log
+    if why == "checking":
+        workers._asked.add(spare.pid)
+    workers.factory = zygote = _ReadyZygote(stand_in)
+    workers._watch_zygote()
+    assert workers.spare is spare and zygote.forks == 0 and spare.poll() is None

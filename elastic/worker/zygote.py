@@ -170,6 +170,9 @@ def _become_spare(sock: socket.socket, module: ModuleType, argv: list[str], requ
     code = EXIT_ORPHANED
     agent, zygote = parents
     try:
+        from elastic.common.procs import set_process_name
+
+        set_process_name("python")  # a started spare's name, not the zygote's (ps, top)
         sock.close()
         os.setsid()
         stdin, log = fds
