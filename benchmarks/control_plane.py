@@ -2,6 +2,7 @@
 
     python benchmarks/control_plane.py --nodes 64,256,1024 --ranks-per-node 8 --json out.json
         [--procs 32] [--rank-threads rank|node] [--faults worker_loss,node_loss] [--round-timeout 300]
+        [--fault-path push|error]
         [--idle-s 5] [--rendezvous-size 2048] [--baseline before.json]
 
 Simulated nodes (``benchmarks/cp_sim.py``: the real Supervisor, InProcessWorkers and InProcess code,
@@ -9,6 +10,9 @@ no training, ``--procs`` processes of threads) against a real 3-member etcd on l
 cluster behind ``launch.etcd_members: 3``).  Per size, on one run:
 
 ``worker_loss``  a worker of a middle node dies; its node's spare takes the slot (generation 0 -> 1)
+                 and its agent closes the round in place; the others hear of it by the pushed fault
+                 and take the plan from the round note (``--fault-path push``: NCCL's way), or their
+                 ranks' collectives raise at once and each node joins (``error``: gloo's)
 ``node_loss``    a whole node (agent and workers) is lost; the rest re-form without it (1 -> 2)
 ``idle``         every agent's steady-state check of the run-wide signals (epoch, exclusion, stop)
 
@@ -60,7 +64,8 @@ ETCD_PIDS: list[int] = []  # the members' processes, for the rounds' CPU account
 class Sim:
     """The simulated nodes of one run, spread over ``procs`` processes."""
 
-    def __init__(self, nodes: int, rpn: int, procs: int, endpoint: str, timeout: float, rank_threads: str) -> None:
+    def __init__(self, nodes: int, rpn: int, procs: int, endpoint: str, timeout: float, rank_threads: str,
+                 pushed: bool = True) -> None:
         self.nodes, self.rpn, self.timeout = nodes, rpn, timeout
         prefix = f"/bench/runs/cp-{nodes}-{uuid.uuid4().hex[:8]}"
         counts = [nodes // procs + (1 if i < nodes % procs else 0) for i in range(procs)]
@@ -70,7 +75,8 @@ class Sim:
         self.children = [
             subprocess.Popen([sys.executable, str(SIM), "--child", "--endpoint", endpoint, "--prefix", prefix,
                               "--total", str(nodes), "--first", str(first), "--count", str(count),
-                              "--rpn", str(rpn), "--join-timeout", str(timeout), "--rank-threads", rank_threads],
+                              "--rpn", str(rpn), "--join-timeout", str(timeout), "--rank-threads", rank_threads,
+                              "--pushed", str(int(pushed))],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
                              stderr=None if os.environ.get("BENCH_CHILD_STDERR") else subprocess.DEVNULL)
             for first, count in zip(firsts, counts) if count
@@ -224,7 +230,7 @@ def _size(nodes: int, args: argparse.Namespace, endpoints: str, faults: list[str
     print(f"# {nodes} nodes x {args.ranks_per_node}: setting up", file=sys.stderr, flush=True)
     try:
         sim = Sim(nodes, args.ranks_per_node, min(args.procs, nodes), endpoints, args.round_timeout,
-                  args.rank_threads)
+                  args.rank_threads, args.fault_path == "push")
     except (TimeoutError, RuntimeError) as exc:
         return {"ok": False, "error": f"set-up: {exc}"}
     try:
@@ -324,6 +330,10 @@ def main() -> int:
     parser.add_argument("--rendezvous-size", type=int, default=2048, help="0 skips the rendezvous benchmark")
     parser.add_argument("--rank-threads", choices=("rank", "node"), default="rank",
                         help="simulated ranks: a thread each, or a thread per node (see benchmarks/cp_sim.py)")
+    parser.add_argument("--fault-path", choices=("push", "error"), default="push",
+                        help="how a worker loss reaches the other nodes: its agent's pushed fault, which "
+                             "they hear over their signal watch (NCCL: nothing raises), or every surviving "
+                             "rank's collective error at once (gloo); see benchmarks/cp_sim.py")
     parser.add_argument("--baseline", help="an earlier report of this benchmark, embedded for comparison")
     parser.add_argument("--json", help="also write the JSON report here")
     args = parser.parse_args()
@@ -337,7 +347,7 @@ def main() -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     report: dict[str, Any] = {"command": " ".join(["benchmarks/control_plane.py", *sys.argv[1:]]),
                               "ranks_per_node": args.ranks_per_node, "procs": args.procs, "etcd_members": 3,
-                              "rank_threads": args.rank_threads,
+                              "rank_threads": args.rank_threads, "fault_path": args.fault_path,
                               "cpus": os.cpu_count(), "loadavg_1m_start": round(os.getloadavg()[0], 2),
                               "sizes": [], "details": {}}
     try:

@@ -8,8 +8,11 @@ no torch, so a host can run many of these processes: 1,024 concurrent joins took
 processes of threads and 2.7 s from 32, measured).  What is simulated:
 
 * the processes: no torch process group, no training, no restore;
-* the collective error that tells a rank its peer is gone: every surviving rank starts its
-  re-formation at the fault's time;
+* how a surviving rank learns its peer is gone.  A worker loss takes NCCL's path: nothing raises,
+  the dead worker's agent pushes the fault (``InProcessWorkers.push_fault``, as its ``_death``
+  does) and every other agent hears it over its one signal watch, as do its workers, which then
+  report the fault.  A node loss takes gloo's: every surviving rank's collective raises at the
+  fault's time, so every agent starts its round at once (no push is awaited);
 * the warm spare: a new ``GenerationClient`` that joins the next generation for the dead slot;
 * the agent's snapshot store: a listening socket per node that the probes connect to, closed when
   the node is lost;
@@ -92,7 +95,8 @@ class LocalChannel:
 class RoundEvents(EventLog):
     """An agent's events, kept only as the times of its round's milestones (joined, plan, closed)."""
 
-    KINDS = {"round.joined": "joined", "agent.round_plan": "plan_agent", "round.closed": "closed"}
+    KINDS = {"round.joined": "joined", "agent.round_plan": "plan_agent", "round.closed": "closed",
+             "round.noted": "noted"}
 
     def __init__(self, source: str) -> None:
         super().__init__(None, source)
@@ -104,6 +108,8 @@ class RoundEvents(EventLog):
             self.times[self.KINDS[kind]] = event["ts"]
             if kind == "round.joined":  # since_s: the join transaction's own time
                 self.times["round_started"] = event["ts"] - float(fields.get("since_s", 0.0))
+            elif kind == "round.noted":  # wait_s: how long the round waited for the note
+                self.times["round_started"] = event["ts"] - float(fields.get("wait_s", 0.0))
         return event
 
 
@@ -191,19 +197,23 @@ class SimNode:
                                   "rank": self.rank_of[local], "step": STEP, "gen": 0})
         self.workers.detached = True  # torchrun retired: the agent supervises its workers
         self.workers.register()
+        self.sup._poll_run(None, 0)  # type: ignore[arg-type]  # the attempt's signal watch, open from the start
 
     def _next_pid(self) -> int:
         self._pid += 1
         return self._pid
 
     # -- a fault ---------------------------------------------------------------------------------
-    def fault(self, t0: float, dead_local: int | None, results: list[dict]) -> list[threading.Thread]:
+    def fault(self, t0: float, dead_local: int | None, results: list[dict],
+              kind: str = "worker_loss") -> list[threading.Thread]:
         """The threads of this node's part in a re-formation: a spare for ``dead_local`` (a worker
         of this node died), every surviving rank, and the agent fed its workers' fault reports."""
         gen = self.workers.gen
         self.events.times.clear()
         survivors = [local for local in self.ranks if local != dead_local]
-        threads = [threading.Thread(target=self._agent, args=(t0, gen, survivors), daemon=True)]
+        pushing = self.args.pushed and kind == "worker_loss"
+        push = (dead_local is not None, dead_local is None) if pushing else (False, False)
+        threads = [threading.Thread(target=self._agent, args=(t0, gen, survivors, *push), daemon=True)]
         if dead_local is not None:
             self.ranks[dead_local] = self._rank(dead_local, join_gen=gen + 1)
             self.workers.pids[dead_local] = self._next_pid()  # the spare holds the slot (InProcessWorkers._replace)
@@ -218,9 +228,16 @@ class SimNode:
             thread.start()
         return threads
 
-    def _agent(self, t0: float, gen: int, survivors: list[int]) -> None:
-        """What the agent's supervisor loop does with its workers' fault reports (``Supervisor._drain``)."""
+    def _agent(self, t0: float, gen: int, survivors: list[int], push: bool, pushed: bool) -> None:
+        """What the agent's supervisor loop does with its workers' fault reports (``Supervisor._drain``).
+        ``push``: this node's worker died, and its agent pushes the fault first (``_death``; the
+        slot is the spare's already); ``pushed``: the workers report once the pushed fault reached
+        them (their fault monitor's wait on the agent's board, which the agent's signal watch posts to)."""
         _sleep_until(t0)
+        if push:
+            self.workers.push_fault(self.node_id, "worker_died", "a worker died (simulated)", gen=gen, in_place=True)
+        if pushed:
+            self.workers.board.wait_fault(self.workers.epoch, gen, self.args.join_timeout)
         for local in survivors:
             report = {"type": "fault", "gen": gen, "step": STEP, "local_rank": local,
                       "pid": self.workers.pids[local], "rank": self.rank_of[local], "error": "peer lost"}
@@ -309,7 +326,7 @@ class Host:
                 self._lose(k, t0)
                 continue
             if node.alive:
-                threads += node.fault(t0, local if node.index == victim else None, results)
+                threads += node.fault(t0, local if node.index == victim else None, results, kind)
         deadline = time.monotonic() + self.args.join_timeout + 30
         for thread in threads:
             thread.join(max(0.0, deadline - time.monotonic()))
@@ -419,6 +436,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--count", type=int, required=True, help="nodes this process hosts")
     parser.add_argument("--rpn", type=int, default=8, help="ranks per node")
     parser.add_argument("--join-timeout", type=float, default=300.0)
+    parser.add_argument("--pushed", type=int, default=1,
+                        help="1: a worker loss reaches the other nodes as a pushed fault (NCCL); 0: every "
+                             "surviving rank's collective raises at the fault's time (gloo)")
     parser.add_argument("--rank-threads", choices=("rank", "node"), default="rank",
                         help="a thread per rank (faithful), or one per node running its ranks' code in turn "
                              "(a node's ranks do no etcd I/O: this only saves the simulation's own CPU)")

@@ -41,6 +41,7 @@ from elastic.agent.attempt import AttemptResult, NodeSpec, Outcome, TorchrunAtte
 from elastic.agent.classify import FailureKind, stopping_failure
 from elastic.agent.config import InProcessConfig
 from elastic.agent.peerwatch import PeerWatch
+from elastic.agent.roundnotes import RoundNotes
 from elastic.agent.sparefork import ForkedSpare, SpareFactory
 from elastic.checkpoint.memclient import ClientPool, MemStateClient
 from elastic.checkpoint.memstate import Chunk, MemStateError, MemStateServer, RoundBoard, SnapMeta
@@ -246,6 +247,7 @@ class InProcessWorkers:
         self._in_place: set[int] = set()  # generations this node closes at once: its spare took a slot (plan_in_place)
         self._gone: dict[str, str] = {}  # nodes this agent found lost (its ring watch, its round's probes) -> why
         self._fault_steps: dict[int, int] = {}  # generation -> the step its fault hit (a worker's report)
+        self.notes = RoundNotes(epoch)  # plans closed in place and store addresses, from the signal watch
         self.board = memstate.board if memstate is not None else RoundBoard()
         self.board.on_wait = lambda epoch, gen, name: self.want(gen) if epoch == self.epoch else None
         self._closed = threading.Event()  # set when the node's workers are done or stopped: rounds end
@@ -518,7 +520,9 @@ class InProcessWorkers:
         # The survivors first, before any policy or etcd record: under NCCL nothing of theirs
         # raises, they wait in the dead worker's collective until told (elastic.worker.faultwatch),
         # whether the spare takes the slot or the run falls back to a restart.
-        self.push_fault(self.spec.node_id, "hang" if pid in self._hung else "worker_died", detail, gen=broken)
+        held = self.plan.gen if self.plan is not None else 0
+        self.push_fault(self.spec.node_id, "hang" if pid in self._hung else "worker_died", detail, gen=broken,
+                        in_place=self.spare is not None and held == broken)
         reason = self._no_replacement(result, on_failure)
         if reason is None and self._replace(local, detail, broken + 1):
             return None
@@ -663,15 +667,15 @@ class InProcessWorkers:
 
     def _round(self, gen: int, slots: dict[int, int]) -> None:
         """This node's part in round ``gen``: the plan, then the new c10d store's address, each handed
-        to the workers as soon as it is known; a round that fails fails the workers' wait too."""
-        notice = self.state.notice(self.epoch, self._fault_steps.get(gen), self.spec.node_id, "peer_lost", gen=gen - 1)
-        round_ = NodeRound(self.gens, self.spec.node_id, gen, slots, self.plan, self._prober(gen),
-                           self.config.join_timeout_s, on_lost=lambda node, why: self._name_lost(node, gen, why),
-                           emit=self.events.emit, stopped=self._closed.is_set, notice=notice,
-                           min_nodes=self.needed_nodes, rejoin_wait_s=self.config.rejoin_wait_s)
+        to the workers as soon as it is known; a round that fails fails the workers' wait too.  A
+        plan another node closed in place comes from the round note (:mod:`elastic.agent.roundnotes`):
+        no join, no watch; without it, the node joins the round."""
+        noted = self._noted_plan(gen)
+        round_ = self._node_round(gen, slots) if noted is None else None
         try:
-            self._close_in_place(gen)
-            plan = round_.run()
+            if round_ is not None:
+                self._close_in_place(gen)
+            plan = round_.run() if round_ is not None else self._take_noted(noted)  # type: ignore[arg-type]
             self._adopt(plan, slots)
             self._check_counts(plan)
             self.board.post(self.epoch, gen, "plan", {"plan": json.loads(plan.to_json()),
@@ -679,13 +683,46 @@ class InProcessWorkers:
                                                       "slots0": {str(local): self.ranks0.get(local, -1)
                                                                  for local in slots}})
             self.events.emit("agent.round_plan", gen=gen, world=plan.world, nodes=plan.nodes, lost=list(plan.lost),
-                             by=plan.by, role=round_.role or "member")
-            self.board.post(self.epoch, gen, "store", round_.wait_store(self.config.join_timeout_s))
+                             by=plan.by, role=(round_.role or "member") if round_ is not None else "noted")
+            timeout = self.config.join_timeout_s
+            self.board.post(self.epoch, gen, "store", round_.wait_store(timeout) if round_ is not None else
+                            self.notes.store(gen, timeout, self._closed.is_set, lambda: self.gens.store_at(gen)))
         except (GenerationFailed, StoreError) as exc:
             self.events.emit("agent.round_failed", gen=gen, error=str(exc)[:300])
             self.board.fail(self.epoch, gen, ("plan", "store"), str(exc))
         finally:
-            round_.close()
+            if round_ is not None:
+                round_.close()
+
+    def _node_round(self, gen: int, slots: dict[int, int]) -> NodeRound:
+        notice = self.state.notice(self.epoch, self._fault_steps.get(gen), self.spec.node_id, "peer_lost", gen=gen - 1)
+        return NodeRound(self.gens, self.spec.node_id, gen, slots, self.plan, self._prober(gen),
+                         self.config.join_timeout_s, on_lost=lambda node, why: self._name_lost(node, gen, why),
+                         emit=self.events.emit, stopped=self._closed.is_set, notice=notice,
+                         min_nodes=self.needed_nodes, rejoin_wait_s=self.config.rejoin_wait_s)
+
+    def _noted_plan(self, gen: int) -> Plan | None:
+        """Generation ``gen``'s plan from the round note, when a pushed fault said another node closes
+        it in place (waiting up to ``in_place_wait_s`` for it), or when it is noted already.  Never
+        for a round this node closes itself, nor one that does not follow the plan this node holds."""
+        held = self.plan.gen if self.plan is not None else 0
+        if gen in self._in_place or held != gen - 1:
+            return None
+        t0 = time.monotonic()
+        wait_s = self.config.in_place_wait_s if self.notes.expects(gen) else 0.0
+        plan = self.notes.plan(gen, wait_s, self._closed.is_set)
+        if plan is None and wait_s:
+            self.events.emit("round.note_missed", gen=gen, waited_s=round(time.monotonic() - t0, 3))
+        elif plan is not None:
+            self.events.emit("round.noted", gen=gen, by=plan.by, wait_s=round(time.monotonic() - t0, 4))
+        return plan
+
+    def _take_noted(self, plan: Plan) -> Plan:
+        """A noted plan, checked as a join's read-back is (:meth:`NodeRound._check_self`)."""
+        node = self.spec.node_id
+        if node in plan.lost or node in plan.gone:
+            raise GenerationFailed(f"generation {plan.gen} formed without this node ({node})")
+        return plan
 
     def _close_in_place(self, gen: int) -> None:
         """Write generation ``gen``'s plan now when this node's spare took a slot and ``gen`` follows
@@ -698,7 +735,7 @@ class InProcessWorkers:
             return
         t0 = time.monotonic()
         try:
-            plan = self.gens.close(plan_in_place(gen, self.gens.roster(), self.plan, self.spec.node_id))
+            plan = self.gens.close(plan_in_place(gen, self.gens.roster(), self.plan, self.spec.node_id), note=True)
         except (GenerationFailed, StoreError) as exc:
             self.events.emit("round.in_place_failed", gen=gen, error=str(exc)[:300])
             return
@@ -788,14 +825,15 @@ class InProcessWorkers:
             self.events.emit("agent.store_error", op="record_fault", error=str(exc)[:300])
 
     # -- pushed faults ------------------------------------------------------------------------------
-    def push_fault(self, node: str, kind: str, reason: str, gen: int | None = None) -> None:
+    def push_fault(self, node: str, kind: str, reason: str, gen: int | None = None, in_place: bool = False) -> None:
         """Tell every worker of the run that generation ``gen`` (default ``self.gen``) broke, and so
         every older one: this node's through the board at once, every other agent through one etcd
         put its signal watch delivers.  A fault of this generation already posted (pushed by another
-        agent) is not put again."""
+        agent) is not put again.  ``in_place``: this node's spare takes the slot, and this node will
+        close the next generation in place (the others wait for its round note instead of joining)."""
         gen = self.gen if gen is None else gen
         record = {"epoch": self.epoch, "gen": gen, "node": node, "kind": kind, "reason": reason[:300],
-                  "by": self.spec.node_id, "ts": time.time()}
+                  "by": self.spec.node_id, "ts": time.time(), "in_place": in_place}
         self.want(gen + 1)  # this node's workers need the next generation: join it for them
         if not self.board.post_fault(self.epoch, record):
             return
@@ -810,6 +848,7 @@ class InProcessWorkers:
         """Another agent's pushed fault (from the signal watch's thread): to this node's workers."""
         if int(record.get("epoch", -1)) != self.epoch or not self.detached:
             return
+        self.notes.heard_fault(record)
         if int(record.get("gen", -1)) >= self.gen:
             # Every worker of this node needs the next generation now: join it for them at once
             # (a cold spare on this node would ask only once it has imported, after the others'
@@ -819,6 +858,10 @@ class InProcessWorkers:
             self.events.emit("agent.fault_heard", gen=record.get("gen"), node=record.get("node"),
                              fault_kind=record.get("kind"), by=record.get("by"),
                              since_push_s=round(time.time() - float(record.get("ts", time.time())), 4))
+
+    def heard_note(self, note: dict) -> None:
+        """A round note (from the signal watch's thread): a plan closed in place, a store's address."""
+        self.notes.heard(note)
 
     def kill_hung(self, pid: int, verdict: str) -> bool:
         """A hang verdict named this slot's process: kill it (SIGKILL ends a stopped process too);

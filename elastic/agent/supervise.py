@@ -143,7 +143,8 @@ class Supervisor:
         self.signals = SignalWatch(self.state, self.node_id, idle_s=self.config.watch_idle_s,
                                    retry_s=self.config.epoch_poll_s,
                                    on_fault=workers.heard_fault if workers is not None else None,
-                                   arbitration=self.sdc_replay)
+                                   arbitration=self.sdc_replay,
+                                   on_note=workers.heard_note if workers is not None else None)
         self.replays.requests = self.signals.arbitration_request
         self.replays.heard = lambda: self.signals.heard_ts if self.signals is not None else 0.0
         return self.signals

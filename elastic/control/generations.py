@@ -281,10 +281,19 @@ class Generations:
         ok, _ = self.store.compare_and_swap(self.keys.gen_lost(self.epoch, gen, node), record, 0)
         return ok
 
-    def close(self, plan: Plan) -> Plan:
-        """Write ``plan`` (create-only): the plan of its generation, this one or the one already there."""
-        ok, current = self.store.compare_and_swap(self.keys.gen_plan(self.epoch, plan.gen), plan.to_json(), 0)
-        return plan if ok else Plan.from_record(decode(current) or {})
+    def close(self, plan: Plan, note: bool = False) -> Plan:
+        """Write ``plan`` (create-only): the plan of its generation, this one or the one already there.
+        ``note``: the same transaction puts it on the run's round note, which every agent's signal
+        watch delivers (a plan closed in place: the other nodes take it from there, no join, no watch)."""
+        key = self.keys.gen_plan(self.epoch, plan.gen)
+        record = plan.to_json()
+        notes = [Put(self.keys.round_note, self._note("plan", plan.gen, plan=json.loads(record)))] if note else []
+        result = self.store.txn(Txn(compare=[Compare.absent(key)], success=[Put(key, record), *notes],
+                                    failure=[Get(key)]))
+        return plan if result.succeeded else Plan.from_record(decode(result.results[0]) or {})
+
+    def _note(self, kind: str, gen: int, **fields: Any) -> str:
+        return json.dumps({"kind": kind, "epoch": self.epoch, "gen": gen, **fields})
 
     def plan(self, gen: int) -> Plan | None:
         return _plan(self.store.get(self.keys.gen_plan(self.epoch, gen)))
@@ -301,8 +310,15 @@ class Generations:
         return newest
 
     def put_store(self, gen: int, addr: str) -> None:
-        """Where generation ``gen``'s c10d store listens (its rank 0 serves it)."""
-        self.store.put(self.keys.gen_store(self.epoch, gen), addr)
+        """Where generation ``gen``'s c10d store listens (its rank 0 serves it): for the round's
+        watchers, and on the run's round note for the nodes that took a plan closed in place from
+        theirs (one transaction, one raft write, as the put alone was)."""
+        self.store.txn(Txn(success=[Put(self.keys.gen_store(self.epoch, gen), addr),
+                                    Put(self.keys.round_note, self._note("store", gen, addr=addr))]))
+
+    def store_at(self, gen: int) -> str | None:
+        """Generation ``gen``'s c10d store address, if its rank 0 published it (one read)."""
+        return _text(self.store.get(self.keys.gen_store(self.epoch, gen)))
 
     def ever_lost(self) -> set[str]:
         """Nodes some generation of this epoch re-formed without (the in-process path handled them)."""

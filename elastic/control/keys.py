@@ -106,6 +106,14 @@ class RunKeys:
         return self._k("pushed-fault")
 
     @property
+    def round_note(self) -> str:
+        """The newest generation plan closed in place (its epoch, generation, plan), written in the
+        plan's own compare-and-swap, and the newest c10d store address a new rank 0 published (in
+        its put): one key for the run, on the agents' one signal watch, so a round whose only change
+        is a slot the warm spare took reaches every node without a join or a watch of its own."""
+        return self._k("round-note")
+
+    @property
     def numerics(self) -> str:
         return self._k("numerics")
 

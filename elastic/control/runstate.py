@@ -146,10 +146,10 @@ class RunState:
 
     def signal_keys(self, node_id: str, pushed_fault: bool = False, arbitration: bool = False) -> list[str]:
         """The records behind :meth:`signals`: the epoch, this node's exclusion, the stop (and, for
-        an agent with in-process workers, the newest pushed fault; with replay verification, the
-        newest arbitration asked of this node)."""
+        an agent with in-process workers, the newest pushed fault and round note; with replay
+        verification, the newest arbitration asked of this node)."""
         keys = [self.keys.epoch, self.keys.excluded(node_id), self.keys.stop]
-        keys += [self.keys.pushed_fault] if pushed_fault else []
+        keys += [self.keys.pushed_fault, self.keys.round_note] if pushed_fault else []
         return [*keys, self.keys.sdc_arbitrate(node_id)] if arbitration else keys
 
     def signal_records(self, node_id: str, pushed_fault: bool = False,

@@ -36,7 +36,8 @@ class SignalWatch:
 
     def __init__(self, state: RunState, node_id: str, idle_s: float = 30.0, retry_s: float = 0.25,
                  clock: Callable[[], float] = time.monotonic,
-                 on_fault: Callable[[dict[str, Any]], None] | None = None, arbitration: bool = False) -> None:
+                 on_fault: Callable[[dict[str, Any]], None] | None = None, arbitration: bool = False,
+                 on_note: Callable[[dict[str, Any]], None] | None = None) -> None:
         self.state = state
         self.node_id = node_id
         self.arbitration = arbitration
@@ -53,6 +54,10 @@ class SignalWatch:
         # supervisor's next look: survivors blocked in a collective wait for it.
         self.on_fault = on_fault
         self._fault_revision = 0
+        # A round note (a plan closed in place, a new c10d store's address) goes the same way: the
+        # agent's round waits for it (elastic.agent.roundnotes).  Only with on_fault (its key is watched then).
+        self.on_note = on_note
+        self._note_revision = 0
         self._closed = False
         self._pump: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -129,13 +134,24 @@ class SignalWatch:
         if record is not None and self.arbitration and key == self.keys[-1]:
             self.heard_ts = time.time()  # when the watch delivered the newest arbitration (its event says)
         if key == self.state.keys.pushed_fault and record is not None and self.on_fault is not None:
-            with self._lock:
-                if record.mod_revision <= self._fault_revision:
-                    return  # the start's read and the stream (or two readers) saw the same put
-                self._fault_revision = record.mod_revision
-            fault = decode(record)
-            if fault:
-                self.on_fault(fault)
+            if self._newer(record, "_fault_revision"):
+                fault = decode(record)
+                if fault:
+                    self.on_fault(fault)
+        elif key == self.state.keys.round_note and record is not None and self.on_note is not None:
+            if self._newer(record, "_note_revision"):
+                note = decode(record)
+                if note:
+                    self.on_note(note)
+
+    def _newer(self, record: KeyValue, seen: str) -> bool:
+        """Whether ``record`` is newer than the revision held in attribute ``seen`` (then it is): the
+        start's read and the stream, or two readers, see the same put."""
+        with self._lock:
+            if record.mod_revision <= getattr(self, seen):
+                return False
+            setattr(self, seen, record.mod_revision)
+            return True
 
     def close(self) -> None:
         self._closed = True
