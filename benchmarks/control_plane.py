@@ -162,6 +162,9 @@ def _round(sim: Sim, kind: str, victim: int, local: int | None, endpoints: str) 
     # Where the host's 2 cores went during the round (set-up to report, agents' tail included):
     # etcd's three members, and the simulated agents and ranks.
     out["cpu_s"] = {k: round(cpu1[k] - cpu0[k], 2) for k in cpu0}
+    streams = [p["signal_streams"] for p in parts if "signal_streams" in p]
+    if streams:  # the agents' signal streams (cumulative since set-up): their reconnects delay what they carry
+        out["signal_streams"] = {k: sum(s[k] for s in streams) for k in streams[0]}
     return out
 
 

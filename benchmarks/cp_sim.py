@@ -335,8 +335,21 @@ class Host:
             if node.alive:
                 node.after_round()
         return {"results": results, "per_node": _deltas(before, self._per_node()),
+                "signal_streams": self._signal_streams(),
                 "milestones": [dict(n.events.times) for n in self.nodes if n.alive],
                 "hung_threads": sum(t.is_alive() for t in threads)}
+
+    def _signal_streams(self) -> dict[str, int]:
+        """The agents' signal streams: connects dropped for a missing ``created`` answer so far
+        (``WatchStream.incomplete_creates``: a reconnect, ``create_timeout_s`` or more late) and
+        streams opened anew (``SignalWatch.restarts``)."""
+        out = {"incomplete_creates": 0, "restarts": 0}
+        for node in self.nodes:
+            signals = node.sup.signals
+            stream = getattr(signals, "_stream", None)
+            out["incomplete_creates"] += getattr(stream, "incomplete_creates", 0)
+            out["restarts"] += getattr(signals, "restarts", 0)
+        return out
 
     def _lose(self, k: int, t0: float) -> None:
         _sleep_until(t0)
