@@ -68,6 +68,7 @@ class Sim:
                  pushed: bool = True) -> None:
         self.nodes, self.rpn, self.timeout = nodes, rpn, timeout
         prefix = f"/bench/runs/cp-{nodes}-{uuid.uuid4().hex[:8]}"
+        self._root = tempfile.TemporaryDirectory(prefix="cp-sim-")  # the children's run directories
         counts = [nodes // procs + (1 if i < nodes % procs else 0) for i in range(procs)]
         firsts = [sum(counts[:i]) for i in range(procs)]
         env = dict(os.environ, OMP_NUM_THREADS="1",
@@ -76,7 +77,7 @@ class Sim:
             subprocess.Popen([sys.executable, str(SIM), "--child", "--endpoint", endpoint, "--prefix", prefix,
                               "--total", str(nodes), "--first", str(first), "--count", str(count),
                               "--rpn", str(rpn), "--join-timeout", str(timeout), "--rank-threads", rank_threads,
-                              "--pushed", str(int(pushed))],
+                              "--pushed", str(int(pushed)), "--run-root", self._root.name],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
                              stderr=None if os.environ.get("BENCH_CHILD_STDERR") else subprocess.DEVNULL)
             for first, count in zip(firsts, counts) if count
@@ -112,6 +113,7 @@ class Sim:
         for child in self.children:
             child.kill()
             child.wait()
+        self._root.cleanup()
 
 
 def _server_metrics(endpoints: str) -> dict[str, float]:
@@ -244,8 +246,11 @@ def _size(nodes: int, args: argparse.Namespace, endpoints: str, faults: list[str
             print(f"# {nodes}: {fault} {entry.get('round_s', entry.get('error'))}", file=sys.stderr, flush=True)
             if not entry["ok"]:
                 break  # the run is in no state for another round
-        out["idle"] = _idle(sim, args.idle_s)
-        print(f"# {nodes}: idle {out['idle']['requests_per_s']}/s", file=sys.stderr, flush=True)
+        if all(out.get(f, {}).get("ok") for f in faults):
+            out["idle"] = _idle(sim, args.idle_s)
+            print(f"# {nodes}: idle {out['idle']['requests_per_s']}/s", file=sys.stderr, flush=True)
+        else:  # a round that timed out may still answer: its late results would be read as the idle run's
+            out["idle"] = {"skipped": "a round failed"}
         out["ok"] = all(out.get(f, {}).get("ok") for f in faults)
         return out
     finally:

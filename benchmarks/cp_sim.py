@@ -296,7 +296,7 @@ class Host:
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
-        self.run_dir = Path(tempfile.mkdtemp(prefix="cp-sim-"))
+        self.run_dir = Path(tempfile.mkdtemp(prefix="cp-sim-", dir=args.run_root))
         indexes = list(range(args.first, args.first + args.count))
         self.listeners = Listeners(len(indexes))
         self.nodes = [SimNode(i, args, self.listeners.addrs[k], self.run_dir) for k, i in enumerate(indexes)]
@@ -448,6 +448,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--first", type=int, required=True, help="index of this process's first node")
     parser.add_argument("--count", type=int, required=True, help="nodes this process hosts")
     parser.add_argument("--rpn", type=int, default=8, help="ranks per node")
+    parser.add_argument("--run-root", default=None,
+                        help="where this process's run directory goes (the parent removes it: a killed child cannot)")
     parser.add_argument("--join-timeout", type=float, default=300.0)
     parser.add_argument("--pushed", type=int, default=1,
                         help="1: a worker loss reaches the other nodes as a pushed fault (NCCL); 0: every "
