@@ -61,6 +61,7 @@ from elastic.agent.supervise import Supervisor  # noqa: E402
 from elastic.checkpoint.memstate import MemStateRejected, RoundBoard, SnapMeta  # noqa: E402
 from elastic.common.env import WorkerEnv  # noqa: E402
 from elastic.common.events import EventLog  # noqa: E402
+from elastic.control.generations import Plan  # noqa: E402
 from elastic.control.keys import RunKeys  # noqa: E402
 from elastic.control.runstate import RunState  # noqa: E402
 from elastic.control.store import EtcdStore, StoreMeter  # noqa: E402
@@ -68,6 +69,17 @@ from elastic.worker.generation import GenerationClient  # noqa: E402
 
 STEP = 10
 """The step every rank stands at when a fault hits (snapshots of STEP-1 and STEP are held)."""
+
+
+SWITCH_INTERVAL_WHY = """A real agent is a process of its own, with a few threads; here one process
+hosts 32 agents and their ranks (~140 threads at 1,024 nodes).  When a fault wakes them all at once,
+every thread that waits for the GIL wakes each switch interval (Python's default: 5 ms) to ask for
+it: 1,000+ runnable threads on the 2 cores, the simulation's own CPU growing with them, and at 1,024
+nodes the round did not finish in 60-120 s (load average 600-1,000).  At 0.05 s it finished in
+2.96 s, at 0.2 s in 2.10 s, at 1.0 s in 1.53-2.10 s (one run each, 32 processes; 64 processes at
+0.05 s: 4.11 s).  Threads still hand the GIL over at once when they block on I/O or a lock, which is
+what this simulation's threads do; a longer interval only stops the convoy of waiters, which a
+process per agent would not have."""
 
 
 def node_name(index: int) -> str:
@@ -194,7 +206,8 @@ class SimNode:
         self.state.set_member(self.node_id, "joined")
         for local in self.ranks:
             self.workers.observe({"type": "step", "local_rank": local, "pid": self._next_pid(),
-                                  "rank": self.rank_of[local], "step": STEP, "gen": 0})
+                                  "rank": self.rank_of[local], "step": STEP, "gen": 0,
+                                  "world": self.args.total * self.rpn})
         self.workers.detached = True  # torchrun retired: the agent supervises its workers
         self.workers.register()
         self.sup._poll_run(None, 0)  # type: ignore[arg-type]  # the attempt's signal watch, open from the start
@@ -218,9 +231,9 @@ class SimNode:
             self.ranks[dead_local] = self._rank(dead_local, join_gen=gen + 1)
             self.workers.pids[dead_local] = self._next_pid()  # the spare holds the slot (InProcessWorkers._replace)
             self.workers.replaced_in_place(gen + 1)  # as InProcessWorkers._replace: the node closes it in place
-        if self.args.rank_threads == "node":  # the node's ranks one after the other, in one thread
+        if self.args.rank_threads == "node":  # the node's ranks in one thread (see _reform_node)
             ranks = [self.ranks[local] for local in sorted(self.ranks)]
-            threads.append(threading.Thread(target=lambda: [self._reform(t0, r, results) for r in ranks], daemon=True))
+            threads.append(threading.Thread(target=self._reform_node, args=(t0, ranks, results), daemon=True))
         else:
             threads += [threading.Thread(target=self._reform, args=(t0, self.ranks[local], results), daemon=True)
                         for local in self.ranks]
@@ -248,9 +261,29 @@ class SimNode:
         """What ``InProcess.reform`` does with the control plane: the plan from the agent, then the new
         rank 0 publishes its c10d store's address and every other rank hears it from its agent."""
         _sleep_until(t0)
+        held = self._plan(rank, results)
+        if held is not None:
+            self._store_of(rank, *held, results)
+
+    def _reform_node(self, t0: float, ranks: list[GenerationClient], results: list[dict]) -> None:
+        """``_reform`` for every rank of the node in one thread: each rank takes its plan, then each
+        its store.  Real ranks do this at once, so no rank's plan waits for another rank's store (in
+        turn, rank by rank, ranks 1-7 would have "held the plan" only after rank 0 had its store)."""
+        _sleep_until(t0)
+        held = [(rank, self._plan(rank, results)) for rank in ranks]
+        for rank, plan_held in held:
+            if plan_held is not None:
+                self._store_of(rank, *plan_held, results)
+
+    def _plan(self, rank: GenerationClient, results: list[dict]) -> tuple[Plan, float] | None:
         try:
-            plan = rank.next_plan()
-            held = time.time()
+            return rank.next_plan(), time.time()
+        except Exception as exc:  # noqa: BLE001 - reported to the parent, which fails the round
+            results.append({"error": f"{self.node_id}/{rank.slot.local_rank}: {type(exc).__name__}: {exc}"[:300]})
+            return None
+
+    def _store_of(self, rank: GenerationClient, plan: Plan, held: float, results: list[dict]) -> None:
+        try:
             new_rank = rank.rank_in(plan)
             if new_rank == 0:
                 rank.publish_store(plan.gen, "127.0.0.1:1")
@@ -422,6 +455,7 @@ def child_main(args: argparse.Namespace) -> int:
     import threading as _threading
 
     _threading.stack_size(512 << 10)  # thousands of rank threads: 8 MiB stacks would be mostly waste
+    sys.setswitchinterval(args.switch_interval)
     host = Host(args)
     print("READY " + json.dumps(host.setup()), flush=True)
     for line in sys.stdin:
@@ -448,6 +482,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--first", type=int, required=True, help="index of this process's first node")
     parser.add_argument("--count", type=int, required=True, help="nodes this process hosts")
     parser.add_argument("--rpn", type=int, default=8, help="ranks per node")
+    parser.add_argument("--switch-interval", type=float, default=0.2,
+                        help="this process's sys.setswitchinterval (see SWITCH_INTERVAL_WHY)")
     parser.add_argument("--run-root", default=None,
                         help="where this process's run directory goes (the parent removes it: a killed child cannot)")
     parser.add_argument("--join-timeout", type=float, default=300.0)

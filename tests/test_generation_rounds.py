@@ -15,6 +15,7 @@ from elastic.control.generations import (
     Plan,
     Slot,
     plan_in_place,
+    plan_kept,
     plan_next,
     ranks_at,
 )
@@ -173,6 +174,10 @@ def test_a_slot_replaced_in_place_keeps_every_rank_and_what_was_lost_before():
     assert [again.rank_of(r) for r in range(4)] == [0, 1, 2, 3]
     with pytest.raises(GenerationFailed):
         plan_in_place(2, {"n1": roster["n1"]}, shrunk, by="n0")  # nothing of generation 1 left
+    # The same plans without the roster: from the plan held, or generation 0's world and node count.
+    assert plan_kept(1, Plan(0, 6, nodes=3), by="n2") == first
+    assert plan_kept(2, shrunk, by="n0") == again
+    assert plan_kept(3, again, by="n2") == plan_in_place(3, roster, again, by="n2")
 
 
 def test_a_round_closed_in_place_ends_at_each_join_without_the_coordinators_wait():

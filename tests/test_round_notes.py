@@ -8,6 +8,7 @@ join transaction and a new watch stream for a plan already written.)
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from pathlib import Path
@@ -154,6 +155,30 @@ def test_a_node_told_the_fault_is_in_place_takes_the_noted_plan_without_joining(
     noted = next(e for e in events("node0") if e["kind"] == "round.noted")
     assert noted["gen"] == 1 and noted["by"] == "node1"
     assert next(e for e in events("node0") if e["kind"] == "agent.round_plan")["role"] == "noted"
+
+
+def test_the_node_closing_in_place_counts_the_roster_and_reads_none_of_its_records(agents, monkeypatch):
+    """Its workers' generation-0 reports said the world (4): the plan needs the roster's node count
+    only, not its N records (~290 KB at 1,024 nodes, read while the whole run hears the fault)."""
+    agent, store, _ = agents
+    agent("node0", {0: 0, 1: 1}, 5.0)
+    node1 = agent("node1", {0: 2, 1: 3}, 5.0)
+    node1.detached = False
+    for local, rank in ((0, 2), (1, 3)):  # what its workers' channel sends with every step report
+        node1.observe({"type": "step", "local_rank": local, "pid": 100 + rank, "rank": rank, "gen": 0, "step": 3,
+                       "world": 4})
+    node1.detached = True
+    read: list[str] = []
+    get_prefix = store.get_prefix
+    monkeypatch.setattr(store, "get_prefix", lambda prefix, limit=0: read.append(prefix) or get_prefix(prefix, limit))
+    node1.push_fault("node1", "worker_died", "local rank 1 died", gen=0, in_place=True)
+    node1.replaced_in_place(1)
+    node1.join_wanted()
+    plan = Plan.from_record(node1.board.wait(0, 1, "plan", timeout_s=5)["value"]["plan"])
+    assert KEYS.gen_members(0) not in read
+    assert plan == plan_in_place(1, node1.gens.roster(), None, "node1")  # the roster's plan, field for field
+    assert plan.world == 4 and plan.nodes == 2 and plan.keeps_ranks()
+    assert decode(store.get(KEYS.round_note))["plan"] == json.loads(plan.to_json())
 
 
 def test_a_note_that_does_not_come_costs_the_wait_then_the_round_as_before(agents):

@@ -49,7 +49,7 @@ from elastic.common.env import WorkerEnv
 from elastic.common.events import EventLog
 from elastic.common.exits import EXIT_CHECKPOINT, EXIT_CONFIG, EXIT_NUMERICS, EXIT_RECOVERY_FAILED, EXIT_SCREEN_FAILED
 from elastic.common.procs import UNKNOWN_EXIT, NotOurChild, reap, reap_quietly, terminate_tree
-from elastic.control.generations import GenerationFailed, Generations, Plan, plan_in_place
+from elastic.control.generations import GenerationFailed, Generations, Plan, plan_in_place, plan_kept
 from elastic.control.genround import NodeRound
 from elastic.control.runstate import RunState
 from elastic.control.store import StoreError
@@ -239,6 +239,7 @@ class InProcessWorkers:
         self.worker_env: WorkerEnv | None = None
         self.ranks: dict[int, int] = {}  # local slot -> its rank in generation self.gen
         self.ranks0: dict[int, int] = {}  # local slot -> its rank in generation 0 (the roster's)
+        self.world0 = 0  # generation 0's world, from the workers' reports (0: not reported)
         self.needed_nodes = int(str(spec.nnodes).partition(":")[0])  # launch.nodes (MIN of MIN:MAX)
         self.plan: Plan | None = None  # the newest generation's plan (the next round builds on it)
         self.wanted = 0  # the newest generation a worker asked for (a fault report, a wait, a replacement)
@@ -266,6 +267,7 @@ class InProcessWorkers:
                 self.pids[int(local)] = pid
                 if report.get("rank") is not None and int(report.get("gen", 0)) == 0:
                     self.ranks[int(local)] = int(report["rank"])
+                    self.world0 = int(report.get("world", 0) or 0)
             if self.detached and self.pids.get(int(local)) != pid:
                 return  # a process that no longer holds the slot (its late reports)
             self.gen = max(self.gen, int(report.get("gen", 0)))
@@ -735,12 +737,24 @@ class InProcessWorkers:
             return
         t0 = time.monotonic()
         try:
-            plan = self.gens.close(plan_in_place(gen, self.gens.roster(), self.plan, self.spec.node_id), note=True)
+            plan = self.gens.close(self._kept_plan(gen), note=True)
         except (GenerationFailed, StoreError) as exc:
             self.events.emit("round.in_place_failed", gen=gen, error=str(exc)[:300])
             return
         self.events.emit("round.in_place", gen=gen, by=plan.by, world=plan.world, nodes=plan.nodes,
                          close_s=round(time.monotonic() - t0, 4))
+
+    def _kept_plan(self, gen: int) -> Plan:
+        """Generation ``gen`` with every node and rank of ``gen - 1`` kept, without reading the roster
+        (:func:`~elastic.control.generations.plan_kept`): from the plan this node holds, or for
+        generation 1 from generation 0's world as the workers reported it and the roster's node
+        count.  Only a node whose workers never reported their world reads the roster."""
+        by = self.spec.node_id
+        if self.plan is not None:
+            return plan_kept(gen, self.plan, by)
+        if self.world0 > 0:
+            return plan_kept(gen, Plan(0, self.world0, nodes=self.gens.roster_nodes()), by)
+        return plan_in_place(gen, self.gens.roster(), None, by)
 
     def _check_counts(self, plan: Plan) -> None:
         """A plan that still counts a node this agent found lost breaks as it forms (that node's ranks

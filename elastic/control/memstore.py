@@ -146,7 +146,9 @@ class MemoryStore:
             return self._in(prefix, limit)
 
     def count_prefix(self, prefix: str) -> int:
-        return len(self.get_prefix(prefix))
+        with self._cond:
+            self._expire()
+            return len(self._in(prefix, 0))
 
     def put(self, key: str, value: bytes | str, lease: int | None = None) -> int:
         with self._cond:

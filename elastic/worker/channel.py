@@ -77,6 +77,7 @@ class WorkerContext:
             return
         payload.setdefault("rank", self.rank)
         payload.setdefault("local_rank", self.local_rank)
+        payload.setdefault("world", self.world_size)  # torchrun's: generation 0's world (the agent's in-place plan)
         payload["ts"] = time.time()
         payload["pid"] = os.getpid()
         try:
