@@ -133,22 +133,29 @@ def _server_metrics(endpoints: str) -> dict[str, float]:
     return {"proposals_committed": proposals, "grpc_sent_bytes": sent}
 
 
-def _cpu_s(pids: list[int]) -> float:
-    """CPU seconds (user + system, every thread) the processes ``pids`` used so far (/proc)."""
+def _cpu_s(pids: list[int], which: tuple[int, ...] = (11, 12)) -> float:
+    """CPU seconds (user + system, every thread; ``which``: (11,) user only, (12,) system only) the
+    processes ``pids`` used so far (/proc)."""
     total = 0
     for pid in pids:
         try:
             fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
         except (OSError, IndexError):
             continue
-        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat)
+        total += sum(int(fields[i]) for i in which)  # utime, stime (fields 14 and 15 of stat)
     return total / os.sysconf("SC_CLK_TCK")
+
+
+def _cpu(sim: Sim) -> dict[str, float]:
+    children = [c.pid for c in sim.children]
+    return {"etcd": _cpu_s(ETCD_PIDS), "simulation": _cpu_s(children),
+            "simulation_system": _cpu_s(children, (12,))}
 
 
 def _round(sim: Sim, kind: str, victim: int, local: int | None, endpoints: str) -> dict[str, Any]:
     t0 = time.time() + 1.0
     server0 = _server_metrics(endpoints)
-    cpu0 = {"etcd": _cpu_s(ETCD_PIDS), "simulation": _cpu_s([c.pid for c in sim.children])}
+    cpu0 = _cpu(sim)
     line = f"ROUND {kind} {t0} {victim}" + (f" {local}" if local is not None else "")
     load = os.getloadavg()[0]
     try:
@@ -158,7 +165,7 @@ def _round(sim: Sim, kind: str, victim: int, local: int | None, endpoints: str) 
     server1 = _server_metrics(endpoints)
     results = [r for p in parts for r in p["results"]]
     per_node = [n for p in parts for n in p["per_node"]]
-    cpu1 = {"etcd": _cpu_s(ETCD_PIDS), "simulation": _cpu_s([c.pid for c in sim.children])}
+    cpu1 = _cpu(sim)
     out = _round_report(kind, t0, results, per_node, server0, server1, sim, load)
     out["phases"] = _phases(t0, [m for p in parts for m in p.get("milestones", [])])
     # Where the host's 2 cores went during the round (set-up to report, agents' tail included):

@@ -109,6 +109,9 @@ def _child(args: argparse.Namespace) -> int:
     from torch.distributed.elastic.rendezvous import RendezvousParameters
     from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
+    # Hundreds of participant threads per process: see benchmarks/cp_sim.py's SWITCH_INTERVAL_WHY (the
+    # GIL waiters' convoy; a real participant is a process of its own).  Every backend gets the same.
+    sys.setswitchinterval(float(os.environ.get("BENCH_SWITCH_INTERVAL", "0.005")))
     conf = dict(TORCH_TIMINGS)
     if args.backend == "c10d":
         conf.update(is_host="false", read_timeout="300")
@@ -312,6 +315,8 @@ def main() -> int:
     parser.add_argument("--reform-backends", default="etcd3,c10d")
     parser.add_argument("--etcd-members", type=int, choices=(1, 3), default=1)
     parser.add_argument("--json", help="also write the JSON report here")
+    parser.add_argument("--switch-interval", type=float, default=0.2,
+                        help="the participant processes' sys.setswitchinterval (Python's default: 0.005)")
     for hidden in ("--backend", "--endpoint", "--run-id"):
         parser.add_argument(hidden, help=argparse.SUPPRESS)
     for hidden in ("--size", "--min-nodes", "--threads"):
@@ -320,6 +325,7 @@ def main() -> int:
     args = parser.parse_args()
     if args.child:
         return _child(args)
+    os.environ["BENCH_SWITCH_INTERVAL"] = str(args.switch_interval)  # the participant processes inherit it
 
     from torch.distributed import TCPStore
 
@@ -336,6 +342,7 @@ def main() -> int:
                      wait_for_workers=False)
     endpoints = {"etcd3": etcd.endpoints, "etcd3-state": etcd.endpoints, "c10d": f"127.0.0.1:{c10d_port}"}
     report: dict = {"timings": TORCH_TIMINGS, "procs": args.procs, "repeats": args.repeats,
+                    "switch_interval_s": args.switch_interval,
                     "etcd_members": args.etcd_members, "cpus": os.cpu_count(),
                     "loadavg_1m_start": round(os.getloadavg()[0], 2)}
     try:

@@ -21,7 +21,7 @@ from elastic.agent.inprocess import InProcessWorkers
 from elastic.agent.roundnotes import RoundNotes
 from elastic.common.events import EventLog, read_events
 from elastic.common.config import ConfigError
-from elastic.control.generations import GenerationFailed, Generations, Plan, plan_in_place
+from elastic.control.generations import GenerationFailed, Generations, Plan, plan_in_place, plan_kept
 from elastic.control.keys import RunKeys
 from elastic.control.memstore import MemoryStore
 from elastic.control.runstate import RunState, decode
@@ -151,7 +151,10 @@ def test_a_node_told_the_fault_is_in_place_takes_the_noted_plan_without_joining(
     node0.heard_note(decode(store.get(KEYS.round_note)))
     assert node0.board.wait(0, 1, "store", timeout_s=5)["value"] == "127.0.0.1:29999"
     assert node1.board.wait(0, 1, "store", timeout_s=5)["value"] == "127.0.0.1:29999"
-    assert _joined(store, 1) == ["node1"]  # only the node that closed it joined
+    assert _joined(store, 1) == []  # nobody joined: node1 wrote the plan with its fault, in one transaction
+    assert next(e for e in events("node1") if e["kind"] == "round.in_place")["with_fault"]
+    closer = next(e for e in events("node1") if e["kind"] == "agent.round_plan")
+    assert closer["role"] == "closed_with_fault" and closer["by"] == "node1"
     noted = next(e for e in events("node0") if e["kind"] == "round.noted")
     assert noted["gen"] == 1 and noted["by"] == "node1"
     assert next(e for e in events("node0") if e["kind"] == "agent.round_plan")["role"] == "noted"
@@ -241,3 +244,25 @@ def test_the_signal_watch_delivers_the_in_place_plan_and_the_store_address_from_
         assert got.wait(5.0)
         assert [n["kind"] for n in notes] == ["plan", "store"] and notes[1]["addr"] == "127.0.0.1:4242"
         assert gens.store_at(1) == "127.0.0.1:4242"
+
+
+def test_a_fault_pushed_with_its_in_place_plan_reaches_a_watch_as_one_write(etcd_endpoint):
+    """``push_fault(in_place=True)``'s transaction: the fault, the plan and its note at one revision
+    (one raft write), heard together; a second close of the generation still pushes its fault."""
+    state = RunState(EtcdStore(etcd_endpoint), KEYS)
+    gens = Generations(state.store, KEYS, epoch=0)
+    faults: list[dict] = []
+    notes: list[dict] = []
+    got = threading.Event()
+    with SignalWatch(state, "n0", on_fault=faults.append, on_note=lambda note: (notes.append(note), got.set())) as watch:
+        watch.current()
+        record = {"epoch": 0, "gen": 0, "node": "n1", "kind": "worker_died", "in_place": True}
+        closed = gens.close(plan_kept(1, Plan(0, 2, nodes=2), "n1"), note=True, also=[state.fault_put(record)])
+        assert got.wait(5.0) and faults and faults[0]["node"] == "n1" and notes[0]["plan"]["by"] == "n1"
+        revisions = {state.store.get(key).mod_revision  # type: ignore[union-attr]
+                     for key in (KEYS.pushed_fault, KEYS.round_note, KEYS.gen_plan(0, 1))}
+        assert len(revisions) == 1
+        again = gens.close(plan_kept(1, Plan(0, 2, nodes=2), "n0"), note=True,
+                           also=[state.fault_put({**record, "node": "n0", "by": "n0"})])
+        assert again == closed and again.by == "n1"  # lost: the plan stays n1's, no note
+        assert decode(state.store.get(KEYS.pushed_fault))["node"] == "n0"  # but the fault is pushed

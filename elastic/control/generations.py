@@ -31,6 +31,7 @@ from __future__ import annotations
 import bisect
 import json
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -294,16 +295,17 @@ class Generations:
         ok, _ = self.store.compare_and_swap(self.keys.gen_lost(self.epoch, gen, node), record, 0)
         return ok
 
-    def close(self, plan: Plan, note: bool = False) -> Plan:
+    def close(self, plan: Plan, note: bool = False, also: Sequence[Put] = ()) -> Plan:
         """Write ``plan`` (create-only): the plan of its generation, this one or the one already there.
         ``note``: the same transaction puts it on the run's round note, which every agent's signal
-        watch delivers (a plan closed in place: the other nodes take it from there, no join, no watch)."""
+        watch delivers (a plan closed in place: the other nodes take it from there, no join, no watch).
+        ``also``: puts made whether the plan is written or not (a pushed fault: one raft write for both)."""
         key = self.keys.gen_plan(self.epoch, plan.gen)
         record = plan.to_json()
         notes = [Put(self.keys.round_note, self._note("plan", plan.gen, plan=json.loads(record)))] if note else []
-        result = self.store.txn(Txn(compare=[Compare.absent(key)], success=[Put(key, record), *notes],
-                                    failure=[Get(key)]))
-        return plan if result.succeeded else Plan.from_record(decode(result.results[0]) or {})
+        result = self.store.txn(Txn(compare=[Compare.absent(key)], success=[Put(key, record), *notes, *also],
+                                    failure=[*also, Get(key)]))
+        return plan if result.succeeded else Plan.from_record(decode(result.results[-1]) or {})
 
     def _note(self, kind: str, gen: int, **fields: Any) -> str:
         return json.dumps({"kind": kind, "epoch": self.epoch, "gen": gen, **fields})

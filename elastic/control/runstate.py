@@ -18,7 +18,7 @@ from typing import Any
 
 from elastic.control.keys import RunKeys
 from elastic.control.store import KeyValue, KVStore
-from elastic.control.txn import Get, Txn
+from elastic.control.txn import Get, Put, Txn
 
 Clock = Callable[[], float]
 
@@ -248,7 +248,12 @@ class RunState:
 
     def push_fault(self, record: dict[str, Any]) -> None:
         """Tell every agent of a fault in a generation (one put; they watch :attr:`RunKeys.pushed_fault`)."""
-        self._put(self.keys.pushed_fault, record)
+        put = self.fault_put(record)
+        self.store.put(put.key, put.value)
+
+    def fault_put(self, record: dict[str, Any]) -> Put:
+        """:meth:`push_fault`'s put, for a transaction that makes it with another write."""
+        return Put(self.keys.pushed_fault, json.dumps(record, default=str))
 
     def notice_fault(self, epoch: int, step: int | None, by: str, kind: str, gen: int = 0) -> bool:
         """The first agent to notice a fault in ``epoch`` (generation ``gen`` of an in-process
