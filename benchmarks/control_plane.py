@@ -171,9 +171,10 @@ def _round(sim: Sim, kind: str, victim: int, local: int | None, endpoints: str) 
     # Where the host's 2 cores went during the round (set-up to report, agents' tail included):
     # etcd's three members, and the simulated agents and ranks.
     out["cpu_s"] = {k: round(cpu1[k] - cpu0[k], 2) for k in cpu0}
-    streams = [p["signal_streams"] for p in parts if "signal_streams" in p]
-    if streams:  # the agents' signal streams (cumulative since set-up): their reconnects delay what they carry
-        out["signal_streams"] = {k: sum(s[k] for s in streams) for k in streams[0]}
+    for name in ("signal_streams", "signal_streams_in_round"):
+        streams = [p[name] for p in parts if name in p]
+        if streams:  # the agents' signal streams (since set-up; in the round): reconnects delay what they carry
+            out[name] = {k: sum(s[k] for s in streams) for k in streams[0]}
     return out
 
 
@@ -181,11 +182,14 @@ def _phases(t0: float, milestones: list[dict[str, float]]) -> dict[str, float]:
     """Where a round's time went, from the agents' events: the last node's join, the coordinator's
     close, the last agent holding the plan (each from the fault)."""
     out = {}
-    for name, key in (("last_round_start_s", "round_started"), ("last_join_s", "joined"), ("closed_s", "closed"),
-                      ("agents_hold_plan_s", "plan_agent")):
+    for name, key in (("last_heard_s", "heard"), ("last_round_start_s", "round_started"), ("last_join_s", "joined"),
+                      ("closed_s", "closed"), ("agents_hold_plan_s", "plan_agent")):
         times = [m[key] for m in milestones if key in m]
         if times:
             out[name] = round(max(times) - t0, 3)
+    heard = sorted(m["heard"] - t0 for m in milestones if "heard" in m)
+    if heard:  # the pushed fault on the other agents' signal watches
+        out["heard_s_p50"], out["heard_s_p90"] = round(heard[len(heard) // 2], 3), round(heard[len(heard) * 9 // 10], 3)
     joins = sorted(m["joined"] - m["round_started"] for m in milestones if "joined" in m and "round_started" in m)
     if joins:  # one join transaction, from the agent's round thread
         out["join_txn_s_p50"], out["join_txn_s_max"] = round(joins[len(joins) // 2], 3), round(joins[-1], 3)

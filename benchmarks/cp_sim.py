@@ -108,7 +108,7 @@ class RoundEvents(EventLog):
     """An agent's events, kept only as the times of its round's milestones (joined, plan, closed)."""
 
     KINDS = {"round.joined": "joined", "agent.round_plan": "plan_agent", "round.closed": "closed",
-             "round.noted": "noted"}
+             "round.noted": "noted", "agent.fault_heard": "heard"}
 
     def __init__(self, source: str) -> None:
         super().__init__(None, source)
@@ -352,6 +352,7 @@ class Host:
 
     def round(self, kind: str, t0: float, victim: int, local: int | None) -> dict[str, Any]:
         before = self._per_node()
+        streams0 = self._signal_streams()
         results: list[dict] = []
         threads: list[threading.Thread] = []
         for k, node in enumerate(self.nodes):
@@ -369,6 +370,7 @@ class Host:
                 node.after_round()
         return {"results": results, "per_node": _deltas(before, self._per_node()),
                 "signal_streams": self._signal_streams(),
+                "signal_streams_in_round": {k: v - streams0[k] for k, v in self._signal_streams().items()},
                 "milestones": [dict(n.events.times) for n in self.nodes if n.alive],
                 "hung_threads": sum(t.is_alive() for t in threads)}
 

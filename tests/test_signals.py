@@ -3,6 +3,7 @@ in-memory store, and on a real etcd that is killed and restarted under the strea
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -183,3 +184,28 @@ def test_after_a_broken_stream_pushed_faults_still_arrive_without_a_look_and_old
     watch._apply(WatchEvent(KEYS.epoch, b"0", 1))
     assert watch.current().epoch == 1
     watch.close()
+
+
+def test_a_pushed_fault_is_applied_on_the_streams_reader_thread_and_a_failing_consumer_restarts_it(etcd_server):
+    """No thread of the watch's own polls the stream (it was a second wake-up per event for every
+    agent): the reader thread hands each batch on.  A consumer that raises is reported by the next
+    ``current()``, which opens a new stream; the faults after it still arrive."""
+    state = RunState(EtcdStore(etcd_server.endpoint, request_timeout=2.0, retry_deadline=5.0), KEYS)
+    heard: list[dict] = []
+    threads: set[str] = set()
+
+    def on_fault(record: dict) -> None:
+        threads.add(threading.current_thread().name)
+        if record.get("boom"):
+            raise RuntimeError("the consumer failed")
+        heard.append(record)
+
+    with SignalWatch(state, "n1", on_fault=on_fault, retry_s=0.0) as watch:
+        watch.current()
+        state.push_fault({"node": "n2", "gen": 1})
+        assert _until(lambda: heard)  # no current() since: the reader thread applied it
+        assert threads and all(name.startswith("watch-") for name in threads)
+        state.push_fault({"node": "n2", "gen": 2, "boom": True})
+        assert _until(lambda: (watch.current(), watch.restarts)[1] == 1)
+        state.push_fault({"node": "n3", "gen": 3})
+        assert _until(lambda: heard[-1]["gen"] == 3) and [r["gen"] for r in heard] == [1, 3]

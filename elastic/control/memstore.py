@@ -219,9 +219,10 @@ class MemoryStore:
                     return None
                 self._cond.wait(min(remaining, 0.05))
 
-    def watch_keys(self, keys: list[str], start_revision: int, idle_s: float = 30.0) -> MemoryWatch:
+    def watch_keys(self, keys: list[str], start_revision: int, idle_s: float = 30.0,
+                   on_events: Callable[[list[WatchEvent]], None] | None = None) -> MemoryWatch:
         """Every change to any of ``keys`` from ``start_revision`` on (what :class:`WatchStream` gives)."""
-        return MemoryWatch(self, lambda key: key in keys, start_revision)
+        return MemoryWatch(self, lambda key: key in keys, start_revision, on_events)
 
     def watch(self, key: str, start_revision: int, prefix: bool = False, range_end: str | None = None,
               idle_s: float = 30.0) -> MemoryWatch:
@@ -258,13 +259,30 @@ class MemoryStore:
 class MemoryWatch:
     """A watch on a :class:`MemoryStore`: batches of events in revision order, like a WatchStream."""
 
-    def __init__(self, store: MemoryStore, match: Callable[[str], bool], start_revision: int) -> None:
+    def __init__(self, store: MemoryStore, match: Callable[[str], bool], start_revision: int,
+                 on_events: Callable[[list[WatchEvent]], None] | None = None) -> None:
         self._store = store
         self._match = match
         self.next_revision = start_revision
         self.closed = False
+        self._pushing = on_events is not None
+        if on_events is not None:  # as WatchStream's reader thread hands its batches on
+            threading.Thread(target=self._push, args=(on_events,), name="memory-watch", daemon=True).start()
+
+    def _push(self, on_events: Callable[[list[WatchEvent]], None]) -> None:
+        while not self.closed:
+            batch = self._take(0.2)
+            if batch and not self.closed:
+                on_events(batch)
 
     def get(self, timeout: float) -> list[WatchEvent] | None:
+        """The next batch (None when none came, or when batches go to ``on_events``)."""
+        if self._pushing:
+            time.sleep(max(timeout, 0.0))
+            return None
+        return self._take(timeout)
+
+    def _take(self, timeout: float) -> list[WatchEvent] | None:
         events = self._store.events_since(self.next_revision, self._match, timeout)
         if not events:
             return None

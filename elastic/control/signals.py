@@ -59,7 +59,6 @@ class SignalWatch:
         self.on_note = on_note
         self._note_revision = 0
         self._closed = False
-        self._pump: threading.Thread | None = None
         self._lock = threading.Lock()
         self._applied: dict[str, int] = {}  # key -> the revision its record is as of
 
@@ -87,10 +86,11 @@ class SignalWatch:
         for key, record in zip(self.keys, records):
             self._applied[key] = revision
             self._set(key, record)
-        self._stream = self.state.store.watch_keys(self._by_urgency(), revision + 1, idle_s=self.idle_s)  # type: ignore[attr-defined]
-        if self.on_fault is not None and self._pump is None:
-            self._pump = threading.Thread(target=self._pump_faults, name="signal-faults", daemon=True)
-            self._pump.start()
+        # With on_fault, the stream's reader thread applies each batch as it comes: a pushed fault is
+        # acted on at once, not at the supervisor's next look (survivors blocked in a collective wait for it).
+        on_events = self._apply_batch if self.on_fault is not None else None
+        self._stream = self.state.store.watch_keys(self._by_urgency(), revision + 1, idle_s=self.idle_s,  # type: ignore[attr-defined]
+                                                   on_events=on_events)
 
     def _by_urgency(self) -> list[str]:
         """The watched keys in the order their create requests go in the stream's body: the pushed
@@ -103,19 +103,11 @@ class SignalWatch:
         urgent = [k for k in (self.state.keys.pushed_fault, self.state.keys.round_note) if k in self.keys]
         return urgent + [k for k in self.keys if k not in urgent]
 
-    def _pump_faults(self) -> None:
-        """Read the stream as events come (the supervisor's :meth:`current` reads it too; either
-        applies a batch).  A failed stream is left to :meth:`current` to re-establish."""
-        while not self._closed:
-            stream = self._stream
-            try:
-                batch = stream.get(0.5) if stream is not None else None
-            except Exception:  # noqa: BLE001 - the failure stays queued for current() to handle
-                batch = None
-                time.sleep(0.1)
-            if stream is None:
-                time.sleep(0.05)
-            for event in batch or []:
+    def _apply_batch(self, batch: list[WatchEvent]) -> None:
+        """A batch from the stream's reader thread (a failed stream is left to :meth:`current` to
+        re-establish).  This replaced a thread of its own that polled the stream every 0.5 s."""
+        if not self._closed:
+            for event in batch:
                 self._apply(event)
 
     def _drain(self) -> None:

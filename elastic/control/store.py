@@ -504,9 +504,11 @@ class EtcdStore:
         """
         return WatchStream(self, key, start_revision, prefix=prefix, idle_s=idle_s, range_end=range_end)
 
-    def watch_keys(self, keys: list[str], start_revision: int, idle_s: float = 30.0) -> WatchStream:
-        """Every change to any of ``keys`` from ``start_revision`` on, over one stream (close it when done)."""
-        return WatchStream.of_keys(self, keys, start_revision, idle_s=idle_s)
+    def watch_keys(self, keys: list[str], start_revision: int, idle_s: float = 30.0,
+                   on_events: Callable[[list[WatchEvent]], None] | None = None) -> WatchStream:
+        """Every change to any of ``keys`` from ``start_revision`` on, over one stream (close it when
+        done); ``on_events``: each batch to it on the stream's reader thread instead of ``get()``."""
+        return WatchStream.of_keys(self, keys, start_revision, idle_s=idle_s, on_events=on_events)
 
     def watch_once(self, key: str, start_revision: int, timeout: float, prefix: bool = False) -> WatchEvent | None:
         """First change to ``key`` (or the prefix) at or after ``start_revision``; None on timeout."""

@@ -30,6 +30,7 @@ import random
 import socket
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import requests
@@ -52,8 +53,13 @@ class WatchStream:
 
     def __init__(self, store: EtcdStore, key: str, start_revision: int, prefix: bool = False,
                  idle_s: float = 30.0, range_end: str | None = None,
-                 ranges: list[tuple[str, str | None]] | None = None) -> None:
+                 ranges: list[tuple[str, str | None]] | None = None,
+                 on_events: Callable[[list[WatchEvent]], None] | None = None) -> None:
         self._store = store
+        # on_events: each batch goes to it on the reader thread, not to get() (a failure still does).
+        # A second thread to hand batches on was a second wake-up per event for every agent: with
+        # 1,024 simulated agents on 2 cores, the pushed fault's median agent heard it 0.6 s late.
+        self._on_events = on_events
         if ranges is None:
             ranges = [(key, range_end)]
         # Each range as etcd takes it (base64; no end: the key alone) and as bytes, to place events.
@@ -80,9 +86,11 @@ class WatchStream:
         self._thread.start()
 
     @classmethod
-    def of_keys(cls, store: EtcdStore, keys: list[str], start_revision: int, idle_s: float = 30.0) -> WatchStream:
+    def of_keys(cls, store: EtcdStore, keys: list[str], start_revision: int, idle_s: float = 30.0,
+                on_events: Callable[[list[WatchEvent]], None] | None = None) -> WatchStream:
         """One stream over several single keys."""
-        return cls(store, keys[0], start_revision, idle_s=idle_s, ranges=[(k, None) for k in keys])
+        return cls(store, keys[0], start_revision, idle_s=idle_s, ranges=[(k, None) for k in keys],
+                   on_events=on_events)
 
     @property
     def next_revision(self) -> int:
@@ -196,7 +204,16 @@ class WatchStream:
         if events:
             for event in events:
                 self._advance(event)
+            self._deliver(events)
+
+    def _deliver(self, events: list[WatchEvent]) -> None:
+        if self._on_events is None:
             self._queue.put(events)
+            return
+        try:
+            self._on_events(events)
+        except Exception as exc:  # noqa: BLE001 - the consumer's failure is reported by get(), never swallowed
+            self._queue.put(exc)
 
     def _advance(self, event: WatchEvent) -> None:
         key = event.key.encode()
