@@ -19,6 +19,7 @@ from elastic.control.generations import (
     plan_next,
     ranks_at,
 )
+from elastic.agent.roundnotes import RoundNotes
 from elastic.control.genround import NodeRound
 from elastic.control.keys import RunKeys
 from elastic.control.memstore import MemoryStore
@@ -178,6 +179,62 @@ def test_a_slot_replaced_in_place_keeps_every_rank_and_what_was_lost_before():
     assert plan_kept(1, Plan(0, 6, nodes=3), by="n2") == first
     assert plan_kept(2, shrunk, by="n0") == again
     assert plan_kept(3, again, by="n2") == plan_in_place(3, roster, again, by="n2")
+
+
+class WatchCounting(MemoryStore):
+    """Records the first key of every watch a round opens."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.watched: list[str] = []
+
+    def watch(self, key, start_revision, prefix=False, range_end=None, idle_s=30.0):
+        self.watched.append(key)
+        return super().watch(key, start_revision, prefix=prefix, range_end=range_end, idle_s=idle_s)
+
+
+def _noted_gens(nodes: int, feed: bool = True) -> tuple[Generations, RoundNotes, WatchCounting]:
+    """``nodes`` registered, and the round notes every agent's signal watch would hand on (one
+    feed for all: every agent hears the same notes), unless ``feed`` is False."""
+    store = WatchCounting()
+    gens = Generations(store, KEYS, epoch=0)
+    for node, ranks in _roster(nodes).items():
+        gens.register_node(node, ranks)
+    notes = RoundNotes(epoch=0)
+    if feed:
+        store.watch_keys([KEYS.round_note], store.revision() + 1,
+                         on_events=lambda batch: [notes.heard(json.loads(e.value)) for e in batch if e.value])
+    return gens, notes, store
+
+
+def test_the_members_of_a_full_round_take_its_plan_and_store_from_the_round_note():
+    """A node lost: every node joins, but only the four leaders watch the round; the others (here
+    n4..n6) take the coordinator's plan and the new rank 0's store address from the round note."""
+    gens, notes, store = _noted_gens(8)
+    out = _rounds(gens, 1, [f"n{i}" for i in range(7)], Probes(gone={"n7"}), notes=notes)
+    plan = _one_plan(out)
+    assert plan.lost == ("n7",) and plan.world == 14 and plan.by == "n0"
+    control = KEYS.gen_control(0, 1)[0]
+    watchers = [key for key in store.watched if key.startswith(control) or key == KEYS.generation(0, 1)]
+    # n0, n1, n2, n3 (the leaders) watched the round's control keys, and n0, coordinating, all of it;
+    # n4, n5 and n6 watched nothing.
+    assert watchers.count(control) == 4 and watchers.count(KEYS.generation(0, 1)) == 1 and len(watchers) == 5
+    gens.put_store(1, "127.0.0.1:4242")
+    member = NodeRound(gens, "n5", 1, {0: 10, 1: 11}, None, Probes().of("n5"), 5.0, notes=notes)
+    member.state.plan = plan  # as after its run(): the store comes from the note too
+    member._by_note = True
+    assert member.wait_store(2.0) == "127.0.0.1:4242"
+
+
+def test_a_member_whose_note_never_comes_watches_the_round_itself():
+    gens, notes, store = _noted_gens(6, feed=False)
+    events: list[tuple[str, dict]] = []
+    t0 = time.monotonic()
+    out = _rounds(gens, 1, [f"n{i}" for i in range(5)], Probes(gone={"n5"}), notes=notes, note_watch_after_s=0.5,
+                  emit=lambda kind, **fields: events.append((kind, fields)))
+    assert _one_plan(out).lost == ("n5",) and time.monotonic() - t0 < 5.0
+    fallbacks = [f for kind, f in events if kind == "round.note_fallback"]
+    assert len(fallbacks) == 1 and fallbacks[0]["after_s"] >= 0.5  # n4, the one member past the leaders
 
 
 def test_a_round_closed_in_place_ends_at_each_join_without_the_coordinators_wait():

@@ -117,6 +117,12 @@ class InProcessConfig:
     (its signal watch delivers it, no request) before it joins the round itself (one raft write and
     one watch per node: what a round at 1,024 nodes spent most of its time on).  Waited only when the
     fault's push said "in place"; a note that does not come costs this long, then the round as before."""
+    member_note_wait_s: float = 5.0
+    """A round every node joins (a node lost, gloo's errors): the nodes other than the round's four
+    leaders (coordinator, deputy, two reserves) open no watch of their own and take the plan and the
+    new store's address from the run's round note, which their signal watch follows.  How long such a
+    node waits for the plan there before it watches the round itself (a round whose four leaders were
+    all lost then still finds a coordinator among the others)."""
     snapshots: bool = True
     """Per-step memory snapshots (the first checkpoint tier).  false: none are taken, so an in-process
     re-formation has nothing to restore from memory and falls back to the restart path and the newest
@@ -144,6 +150,8 @@ class InProcessConfig:
         for name in ("join_timeout_s", "probe_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(name, "must be > 0")
+        if not 0 < self.member_note_wait_s < self.join_timeout_s:
+            raise ConfigError("member_note_wait_s", f"must be > 0 and below join_timeout_s ({self.join_timeout_s:g})")
         if not 0 <= self.in_place_wait_s < self.join_timeout_s:
             raise ConfigError("in_place_wait_s", f"must be >= 0 and below join_timeout_s ({self.join_timeout_s:g})")
         if self.snapshot_mib < 1:

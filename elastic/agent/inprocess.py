@@ -247,6 +247,7 @@ class InProcessWorkers:
         self._offered: dict[int, set[int]] = {}  # generation -> the slot processes this node joined it with
         self._in_place: set[int] = set()  # generations this node closes at once: its spare took a slot (plan_in_place)
         self._closed_with_fault: dict[int, Plan] = {}  # generations this node closed in its fault's push
+        self.notes_heard = False  # the supervisor's signal watch hands this agent the round notes (heard_note)
         self._gone: dict[str, str] = {}  # nodes this agent found lost (its ring watch, its round's probes) -> why
         self._fault_steps: dict[int, int] = {}  # generation -> the step its fault hit (a worker's report)
         self.notes = RoundNotes(epoch)  # plans closed in place and store addresses, from the signal watch
@@ -704,7 +705,9 @@ class InProcessWorkers:
         return NodeRound(self.gens, self.spec.node_id, gen, slots, self.plan, self._prober(gen),
                          self.config.join_timeout_s, on_lost=lambda node, why: self._name_lost(node, gen, why),
                          emit=self.events.emit, stopped=self._closed.is_set, notice=notice,
-                         min_nodes=self.needed_nodes, rejoin_wait_s=self.config.rejoin_wait_s)
+                         min_nodes=self.needed_nodes, rejoin_wait_s=self.config.rejoin_wait_s,
+                         notes=self.notes if self.notes_heard else None,
+                         note_watch_after_s=self.config.member_note_wait_s)
 
     def _noted_plan(self, gen: int) -> Plan | None:
         """Generation ``gen``'s plan from the round note, when a pushed fault said another node closes

@@ -89,6 +89,10 @@ class RoundNotes:
                 raise GenerationFailed(f"generation {gen}: its rank 0 published no store within {timeout_s:g}s")
         return addr
 
+    def noted_store(self, gen: int, wait_s: float) -> str | None:
+        """Generation ``gen``'s store address if noted, waiting up to ``wait_s`` for it (no read)."""
+        return self._noted_store(gen, wait_s)
+
     def _noted_store(self, gen: int, wait_s: float) -> str | None:
         with self._cond:
             if gen not in self._stores and wait_s > 0:

@@ -145,6 +145,8 @@ class Supervisor:
                                    on_fault=workers.heard_fault if workers is not None else None,
                                    arbitration=self.sdc_replay,
                                    on_note=workers.heard_note if workers is not None else None)
+        if workers is not None:
+            workers.notes_heard = True  # a round's members may take its plan from the round note
         self.replays.requests = self.signals.arbitration_request
         self.replays.heard = lambda: self.signals.heard_ts if self.signals is not None else 0.0
         return self.signals

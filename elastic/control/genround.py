@@ -14,6 +14,12 @@ over needs no message of its own:
 * every other node waits for the plan: it reads nothing and probes no one.  (When every node took
   over after ``takeover_s``, a round slowed by a loaded host turned into every agent reading every
   node record: ~1 M records at 1,024 nodes, and etcd timed out; benchmarks/control_plane.py.)
+  Given ``notes`` (the agent's signal watch follows the run's round note), such a member opens no
+  watch of its own either: the coordinator's close and the new rank 0's store put also put the round
+  note, and the member takes both from there.  One that has no plan ``note_watch_after_s`` into the
+  round watches the round after all (from its join's revision: nothing is missed), so a round
+  whose four leaders were all lost still finds a coordinator.  (1,024 simulated nodes on 2 cores: a
+  watch stream per member and round was ~1,000 HTTP streams and reader threads opened at once.)
 
 The probe is the agent's (``probe(nodes) -> {node: reason}``, "" while a node may only be slow),
 so this module stays free of sockets and is tested on the in-memory store.
@@ -38,6 +44,13 @@ class _Stream(Protocol):
     def close(self) -> None: ...
 
 
+class Notes(Protocol):
+    """The round notes an agent's signal watch hands on (:class:`~elastic.agent.roundnotes.RoundNotes`)."""
+
+    def plan(self, gen: int, wait_s: float, stopped: Callable[[], bool]) -> Plan | None: ...
+    def noted_store(self, gen: int, wait_s: float) -> str | None: ...
+
+
 class NodeRound:
     """``run()``: the plan of generation ``gen`` for ``node``; ``wait_store()``: its c10d store address."""
 
@@ -46,7 +59,7 @@ class NodeRound:
                  emit: Emit = lambda kind, **fields: None, poll_s: float = 0.2, takeover_s: float = 5.0,
                  clock: Callable[[], float] = time.monotonic, stopped: Callable[[], bool] = lambda: False,
                  notice: tuple[str, str] | None = None, reprobe_s: float = 1.0, min_nodes: int = 0,
-                 rejoin_wait_s: float = 0.0) -> None:
+                 rejoin_wait_s: float = 0.0, notes: Notes | None = None, note_watch_after_s: float = 10.0) -> None:
         self.gens, self.node, self.gen, self.slots = gens, node, gen, slots
         self.previous = previous
         self.probe, self.on_lost, self.emit = probe, on_lost, emit
@@ -71,6 +84,9 @@ class NodeRound:
         self._next_probe: dict[str, float] = {}  # the coordinator's: when to probe a node not joined again
         self._started = 0.0
         self.role = ""
+        self.notes, self.note_watch_after_s = notes, note_watch_after_s
+        self._by_note = False  # a member taking the plan and store from the round note (no watch)
+        self._joined_at = 0  # the join's revision: a member's late watch starts after it
 
     # -- the round --------------------------------------------------------------------------
     def run(self) -> Plan:
@@ -126,13 +142,38 @@ class NodeRound:
             raise GenerationFailed(f"generation {self.gen}: no node registered generation 0 of epoch {self.gens.epoch}")
         self.state = RoundState(view.revision, {}, set(view.lost), view.plan, view.store)
         self.head = view.head
+        self._joined_at = view.revision
+        if self.notes is not None and self.node not in self._leaders():
+            self._by_note = True
+            return
+        self._watch_round()
+
+    def _watch_round(self) -> None:
+        """The round's control keys (lost, plan, store), from the join's revision on."""
         start, end = self.gens.keys.gen_control(self.gens.epoch, self.gen)
-        self._stream = self.gens.store.watch(start, view.revision + 1, range_end=end)  # type: ignore[attr-defined]
+        self._stream = self.gens.store.watch(start, self._joined_at + 1, range_end=end)  # type: ignore[attr-defined]
 
     def _receive(self, timeout: float) -> None:
+        if self._by_note:
+            self._receive_note(timeout)
+            return
         assert self._stream is not None
         for event in self._stream.get(timeout) or []:
             self.gens.apply(self.state, RunKeys.tail(event.key, self._base), event.value)
+
+    def _receive_note(self, timeout: float) -> None:
+        """A member's wait on the round note (see the module docstring), or its own watch after all."""
+        assert self.notes is not None
+        if self.clock() - self._started >= self.note_watch_after_s:
+            self._by_note = False
+            self.emit("round.note_fallback", gen=self.gen, after_s=round(self.clock() - self._started, 3),
+                      plan=self.state.plan is not None)
+            self._watch_round()
+            return
+        if self.state.plan is None:
+            self.state.plan = self.notes.plan(self.gen, timeout, self.stopped)
+        elif self.state.store is None:
+            self.state.store = self.notes.noted_store(self.gen, timeout)
 
     def _check_self(self) -> None:
         if self.node in self.state.lost:
@@ -216,7 +257,7 @@ class NodeRound:
         plan = plan_next(self.gen, self._roster, self.previous, self.state.joined, self.state.lost, by=self.node)
         if plan is None or self._holding(plan):
             return
-        self.state.plan = self.gens.close(plan)
+        self.state.plan = self.gens.close(plan, note=True)  # the members take it from the note
         self.emit("round.closed", gen=self.gen, world=self.state.plan.world, nodes=self.state.plan.nodes,
                   lost=list(self.state.plan.lost), by=self.state.plan.by,
                   close_s=round(self.clock() - self._started, 3))
