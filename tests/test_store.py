@@ -103,3 +103,22 @@ def test_parse_endpoint_accepts_forms():
     assert parse_endpoint("127.0.0.1:2379") == ("127.0.0.1", 2379)
     assert parse_endpoint("http://127.0.0.1:1234") == ("127.0.0.1", 1234)
     assert parse_endpoint("etcd-0") == ("etcd-0", 2379)  # etcd's default client port
+
+
+def test_requests_from_short_lived_threads_share_pooled_clients(store):
+    """An agent's round runs on a new thread each time: its requests borrow an idle client (its
+    session and connection) instead of making one per thread; concurrent ones each get their own."""
+    made: list[int] = []
+    new_client = store._new_client
+    store._new_client = lambda index, timeout: made.append(index) or new_client(index, timeout)
+    for k in range(20):
+        thread = threading.Thread(target=store.put, args=(f"/pool/{k}", "v"))
+        thread.start()
+        thread.join()
+    assert len(made) == 1
+    threads = [threading.Thread(target=store.get_prefix, args=("/pool/",)) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert 1 <= len(made) <= 9 and len(store.get_prefix("/pool/")) == 20

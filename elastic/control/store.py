@@ -217,6 +217,8 @@ class EtcdStore:
         # Child processes get TLS / auth settings through ELASTIC_ETCD_* (never argv).
         self.security = EtcdSecurity.from_env() if security is None else security
         self._local = threading.local()
+        self._pool: dict[tuple[int, float], list[Etcd3Client]] = {}  # idle clients for requests (_borrow)
+        self._pool_lock = threading.Lock()
         self._shutting_down = threading.Event()
         self._token: str | None = None  # etcd auth token, shared by this store's threads
         self._token_lock = threading.Lock()
@@ -245,22 +247,29 @@ class EtcdStore:
         return client.session, client.base_url + "/v3"
 
     def _client(self, index: int | None = None, timeout: float | None = None) -> Etcd3Client:
+        """This thread's own client (a watch stream's: see _borrow for requests)."""
         index = self._current if index is None else index
         timeout = self.request_timeout if timeout is None else timeout
         clients = self._local.__dict__.setdefault("clients", {})
         client = clients.get((index, timeout))
         if client is None:
-            host, port = self.endpoints[index]
-            # api_path given explicitly so construction never makes a network call.
-            client = Etcd3Client(
-                host=host, port=port, protocol=self.security.scheme, timeout=timeout,
-                api_path="/v3/", session=self.security.session(f"{self.security.scheme}://{host}:{port}"),
-            )
-            client.session.hooks["response"].append(self._metered)
-            clients[(index, timeout)] = client
+            client = clients[(index, timeout)] = self._new_client(index, timeout)
+        self._authorize(client)
+        return client
+
+    def _new_client(self, index: int, timeout: float) -> Etcd3Client:
+        host, port = self.endpoints[index]
+        # api_path given explicitly so construction never makes a network call.
+        client = Etcd3Client(
+            host=host, port=port, protocol=self.security.scheme, timeout=timeout,
+            api_path="/v3/", session=self.security.session(f"{self.security.scheme}://{host}:{port}"),
+        )
+        client.session.hooks["response"].append(self._metered)
+        return client
+
+    def _authorize(self, client: Etcd3Client) -> None:
         if self.security.username:
             client.session.headers["Authorization"] = self._auth_token(client)
-        return client
 
     def _metered(self, resp: requests.Response, *args: Any, stream: bool = False, **kwargs: Any) -> None:
         # A watch's body is its stream: WatchStream counts it chunk by chunk, never read here.
@@ -342,7 +351,13 @@ class EtcdStore:
             raise StoreError(f"etcd error during {what}: {text}") from exc
 
     def _attempt(self, fn: Callable[[Etcd3Client], T], index: int, timeout: float | None = None) -> T:
-        client = self._client(index, timeout)
+        client = self._borrow(index, timeout)
+        try:
+            return self._attempt_with(fn, client)
+        finally:
+            self._give_back(client, index, timeout)
+
+    def _attempt_with(self, fn: Callable[[Etcd3Client], T], client: Etcd3Client) -> T:
         try:
             return fn(client)
         except gw_exc.Etcd3Exception as exc:
@@ -354,7 +369,35 @@ class EtcdStore:
             if not (self.security.username and "invalid auth token" in text):
                 raise
         self._drop_token()  # expired or the server restarted: authenticate again, once
-        return fn(self._client(index, timeout))
+        self._authorize(client)
+        return fn(client)
+
+    # A request borrows a client from a pool shared by this store's threads (a client is used by
+    # one thread at a time: requests.Session is not thread-safe) and gives it back.  Per-thread
+    # clients cost every new thread a new session and a new connection (a TLS handshake with TLS):
+    # an agent's round runs on a thread of its own, so every node paid one per round (1,024 new
+    # connections to etcd at once in benchmarks/control_plane.py).  Watch streams keep a client per
+    # thread (session_for): a stream holds its connection for as long as it runs.
+    _POOL_IDLE = 32
+
+    def _borrow(self, index: int, timeout: float | None) -> Etcd3Client:
+        key = (index, self.request_timeout if timeout is None else timeout)
+        with self._pool_lock:
+            idle = self._pool.get(key)
+            client = idle.pop() if idle else None
+        if client is None:
+            client = self._new_client(*key)
+        self._authorize(client)
+        return client
+
+    def _give_back(self, client: Etcd3Client, index: int, timeout: float | None) -> None:
+        key = (index, self.request_timeout if timeout is None else timeout)
+        with self._pool_lock:
+            idle = self._pool.setdefault(key, [])
+            if len(idle) < self._POOL_IDLE:
+                idle.append(client)
+                return
+        client.session.close()
 
     def _unreachable(self, what: str, exc: Exception) -> str:
         text = etcd_error_text(exc) or type(exc).__name__
