@@ -13,7 +13,9 @@ cluster behind ``launch.etcd_members: 3``).  Per size, on one run:
                  and its agent closes the round in place; the others hear of it by the pushed fault
                  and take the plan from the round note (``--fault-path push``: NCCL's way), or their
                  ranks' collectives raise at once and each node joins (``error``: gloo's)
-``node_loss``    a whole node (agent and workers) is lost; the rest re-form without it (1 -> 2)
+``node_loss``    a whole node (agent and workers) is lost; the rest re-form without it (1 -> 2): its
+                 ring predecessor pushes the loss with the plan without it, the others take it from
+                 the round note (``push``), or every node joins and the coordinator probes (``error``)
 ``idle``         every agent's steady-state check of the run-wide signals (epoch, exclusion, stop)
 
 Per round: ``round_s`` (the fault -> every surviving rank holds the next generation's plan; its
@@ -350,9 +352,10 @@ def main() -> int:
     parser.add_argument("--rank-threads", choices=("rank", "node"), default="rank",
                         help="simulated ranks: a thread each, or a thread per node (see benchmarks/cp_sim.py)")
     parser.add_argument("--fault-path", choices=("push", "error"), default="push",
-                        help="how a worker loss reaches the other nodes: its agent's pushed fault, which "
-                             "they hear over their signal watch (NCCL: nothing raises), or every surviving "
-                             "rank's collective error at once (gloo); see benchmarks/cp_sim.py")
+                        help="how a worker's or a node's loss reaches the other nodes: a pushed fault (the "
+                             "dead worker's agent, the lost node's ring predecessor), which they hear over their "
+                             "signal watch (NCCL: nothing raises), or every surviving rank's collective error at "
+                             "once (gloo); see benchmarks/cp_sim.py")
     parser.add_argument("--baseline", help="an earlier report of this benchmark, embedded for comparison")
     parser.add_argument("--json", help="also write the JSON report here")
     args = parser.parse_args()

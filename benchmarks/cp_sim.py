@@ -218,15 +218,19 @@ class SimNode:
 
     # -- a fault ---------------------------------------------------------------------------------
     def fault(self, t0: float, dead_local: int | None, results: list[dict],
-              kind: str = "worker_loss") -> list[threading.Thread]:
+              kind: str = "worker_loss", victim: int = -1) -> list[threading.Thread]:
         """The threads of this node's part in a re-formation: a spare for ``dead_local`` (a worker
         of this node died), every surviving rank, and the agent fed its workers' fault reports."""
         gen = self.workers.gen
         self.events.times.clear()
         survivors = [local for local in self.ranks if local != dead_local]
-        pushing = self.args.pushed and kind == "worker_loss"
-        push = (dead_local is not None, dead_local is None) if pushing else (False, False)
-        threads = [threading.Thread(target=self._agent, args=(t0, gen, survivors, *push), daemon=True)]
+        # Pushed (NCCL's way): the dead worker's agent, or the lost node's ring predecessor (its hold
+        # on its successor broke: InProcessWorkers._peer_gone), pushes the fault; the others report
+        # once they heard it.
+        pusher = dead_local is not None if kind == "worker_loss" else self.index == (victim - 1) % self.args.total
+        push = (pusher, not pusher) if self.args.pushed else (False, False)
+        lost = node_name(victim) if kind == "node_loss" else None
+        threads = [threading.Thread(target=self._agent, args=(t0, gen, survivors, *push, lost), daemon=True)]
         if dead_local is not None:
             self.ranks[dead_local] = self._rank(dead_local, join_gen=gen + 1)
             self.workers.pids[dead_local] = self._next_pid()  # the spare holds the slot (InProcessWorkers._replace)
@@ -241,13 +245,18 @@ class SimNode:
             thread.start()
         return threads
 
-    def _agent(self, t0: float, gen: int, survivors: list[int], push: bool, pushed: bool) -> None:
+    def _agent(self, t0: float, gen: int, survivors: list[int], push: bool, pushed: bool, lost: str | None) -> None:
         """What the agent's supervisor loop does with its workers' fault reports (``Supervisor._drain``).
         ``push``: this node's worker died, and its agent pushes the fault first (``_death``; the
-        slot is the spare's already); ``pushed``: the workers report once the pushed fault reached
-        them (their fault monitor's wait on the agent's board, which the agent's signal watch posts to)."""
+        slot is the spare's already), or this node's ring successor ``lost`` is gone and its agent
+        pushes that (``_peer_gone``, after its probe's verdict); ``pushed``: the workers report once
+        the pushed fault reached them (their fault monitor's wait on the agent's board, which the
+        agent's signal watch posts to)."""
         _sleep_until(t0)
-        if push:
+        if push and lost is not None:
+            self.workers._gone[lost] = "its store refused connections (simulated)"
+            self.workers.push_fault(lost, "node_lost", f"node {lost}: hold broke (simulated)", gen=gen)
+        elif push:
             self.workers.push_fault(self.node_id, "worker_died", "a worker died (simulated)", gen=gen, in_place=True)
         if pushed:
             self.workers.board.wait_fault(self.workers.epoch, gen, self.args.join_timeout)
@@ -360,7 +369,7 @@ class Host:
                 self._lose(k, t0)
                 continue
             if node.alive:
-                threads += node.fault(t0, local if node.index == victim else None, results, kind)
+                threads += node.fault(t0, local if node.index == victim else None, results, kind, victim)
         deadline = time.monotonic() + self.args.join_timeout + 30
         for thread in threads:
             thread.join(max(0.0, deadline - time.monotonic()))
@@ -490,8 +499,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                         help="where this process's run directory goes (the parent removes it: a killed child cannot)")
     parser.add_argument("--join-timeout", type=float, default=300.0)
     parser.add_argument("--pushed", type=int, default=1,
-                        help="1: a worker loss reaches the other nodes as a pushed fault (NCCL); 0: every "
-                             "surviving rank's collective raises at the fault's time (gloo)")
+                        help="1: a worker's or a node's loss reaches the other nodes as a pushed fault (NCCL); "
+                             "0: every surviving rank's collective raises at the fault's time (gloo)")
     parser.add_argument("--rank-threads", choices=("rank", "node"), default="rank",
                         help="a thread per rank (faithful), or one per node running its ranks' code in turn "
                              "(a node's ranks do no etcd I/O: this only saves the simulation's own CPU)")

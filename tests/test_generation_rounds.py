@@ -16,6 +16,7 @@ from elastic.control.generations import (
     Slot,
     plan_in_place,
     plan_kept,
+    plan_without,
     plan_next,
     ranks_at,
 )
@@ -175,6 +176,15 @@ def test_a_slot_replaced_in_place_keeps_every_rank_and_what_was_lost_before():
     assert [again.rank_of(r) for r in range(4)] == [0, 1, 2, 3]
     with pytest.raises(GenerationFailed):
         plan_in_place(2, {"n1": roster["n1"]}, shrunk, by="n0")  # nothing of generation 1 left
+    # A node lost: the full round's plan, from the plan held and the lost node's record alone.
+    lost1 = plan_next(1, roster, None, {"n0": roster["n0"], "n2": roster["n2"]}, {"n1"}, by="n2")
+    assert plan_without(1, Plan(0, 6, nodes=3), "n1", roster["n1"], by="n2") == lost1
+    four = _roster(4)
+    kept = plan_next(1, four, None, {n: four[n] for n in ("n0", "n2", "n3")}, {"n1"}, by="n0")
+    then = plan_next(2, four, kept, {"n0": four["n0"], "n3": four["n3"]}, {"n2"}, by="n0")
+    assert plan_without(2, kept, "n2", four["n2"], by="n0") == then and then.rank_of(2) is None
+    with pytest.raises(GenerationFailed):
+        plan_without(2, kept, "n1", four["n1"], by="n0")  # lost before
     # The same plans without the roster: from the plan held, or generation 0's world and node count.
     assert plan_kept(1, Plan(0, 6, nodes=3), by="n2") == first
     assert plan_kept(2, shrunk, by="n0") == again

@@ -184,6 +184,31 @@ def test_the_node_closing_in_place_counts_the_roster_and_reads_none_of_its_recor
     assert decode(store.get(KEYS.round_note))["plan"] == json.loads(plan.to_json())
 
 
+def test_a_node_loss_pushed_with_its_plan_reaches_the_others_without_a_join(agents):
+    """node0 found node2 gone (its ring successor): its push also closes generation 1 without
+    node2 (the plan held, node2's roster record) and declares node2 lost; node1 hears the fault
+    and the note and takes the plan; nobody joins."""
+    agent, store, events = agents
+    node0, node1 = agent("node0", {0: 0, 1: 1}, 5.0), agent("node1", {0: 2, 1: 3}, 5.0)
+    agent("node2", {0: 4, 1: 5}, 5.0)._closed.set()
+    node0._gone["node2"] = "its store refused"
+    node0.push_fault("node2", "node_lost", "node node2: hold broke; its store refused", gen=0)
+    pushed = decode(store.get(KEYS.pushed_fault))
+    assert pushed["closed"] and not pushed["in_place"]
+    node1.heard_fault(pushed)
+    node1.join_wanted()
+    node1.heard_note(decode(store.get(KEYS.round_note)))
+    plan = Plan.from_record(node1.board.wait(0, 1, "plan", timeout_s=5)["value"]["plan"])
+    assert plan.lost == ("node2",) and plan.world == 4 and plan.nodes == 2 and plan.by == "node0"
+    assert node1.ranks == {0: 2, 1: 3}
+    node0.join_wanted()
+    assert Plan.from_record(node0.board.wait(0, 1, "plan", timeout_s=5)["value"]["plan"]) == plan
+    assert _joined(store, 1) == [] and store.get(KEYS.gen_lost(0, 1, "node2")) is not None
+    assert [f["node"] for f in node0.state.faults()] == ["node2"]
+    closed = next(e for e in events("node0") if e["kind"] == "round.closed_without")
+    assert closed["lost"] == ["node2"] and closed["with_fault"]
+
+
 def test_a_note_that_does_not_come_costs_the_wait_then_the_round_as_before(agents):
     """The in-place closer died between its push and its plan: the others wait ``in_place_wait_s``,
     then join; the full round forms without it (its node is found lost by the coordinator's probe)."""

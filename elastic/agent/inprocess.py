@@ -49,7 +49,13 @@ from elastic.common.env import WorkerEnv
 from elastic.common.events import EventLog
 from elastic.common.exits import EXIT_CHECKPOINT, EXIT_CONFIG, EXIT_NUMERICS, EXIT_RECOVERY_FAILED, EXIT_SCREEN_FAILED
 from elastic.common.procs import UNKNOWN_EXIT, NotOurChild, reap, reap_quietly, terminate_tree
-from elastic.control.generations import GenerationFailed, Generations, Plan, plan_in_place, plan_kept
+from elastic.control.generations import (
+    GenerationFailed,
+    Generations,
+    Plan,
+    plan_kept,
+    plan_without,
+)
 from elastic.control.genround import NodeRound
 from elastic.control.runstate import RunState
 from elastic.control.store import StoreError
@@ -750,17 +756,19 @@ class InProcessWorkers:
         self.events.emit("round.in_place", gen=gen, by=plan.by, world=plan.world, nodes=plan.nodes,
                          close_s=round(time.monotonic() - t0, 4))
 
+    def _plan0(self) -> Plan:
+        """Generation 0 as a plan: its world from the workers' reports and the roster's node count,
+        or (workers that never reported their world) both from the roster, one read of N records."""
+        if self.world0 > 0:
+            return Plan(0, self.world0, nodes=self.gens.roster_nodes())
+        roster = self.gens.roster()
+        return Plan(0, sum(len(slots) for slots in roster.values()), nodes=len(roster))
+
     def _kept_plan(self, gen: int) -> Plan:
         """Generation ``gen`` with every node and rank of ``gen - 1`` kept, without reading the roster
         (:func:`~elastic.control.generations.plan_kept`): from the plan this node holds, or for
-        generation 1 from generation 0's world as the workers reported it and the roster's node
-        count.  Only a node whose workers never reported their world reads the roster."""
-        by = self.spec.node_id
-        if self.plan is not None:
-            return plan_kept(gen, self.plan, by)
-        if self.world0 > 0:
-            return plan_kept(gen, Plan(0, self.world0, nodes=self.gens.roster_nodes()), by)
-        return plan_in_place(gen, self.gens.roster(), None, by)
+        generation 1 from generation 0 (:meth:`_plan0`)."""
+        return plan_kept(gen, self.plan or self._plan0(), self.spec.node_id)
 
     def _check_counts(self, plan: Plan) -> None:
         """A plan that still counts a node this agent found lost breaks as it forms (that node's ranks
@@ -857,18 +865,21 @@ class InProcessWorkers:
         self.want(gen + 1)  # this node's workers need the next generation: join it for them
         if not self.board.post_fault(self.epoch, record):
             return
+        lost = node if kind == "node_lost" and not in_place else None
         try:
-            if not (in_place and self._push_closed(record, gen + 1)):
+            if not ((in_place or lost) and self._push_closed(record, gen + 1, lost)):
                 self.state.push_fault(record)
         except StoreError as exc:
             self.events.emit("agent.store_error", op="push_fault", error=str(exc)[:300])
         self.events.emit("agent.fault_pushed", gen=gen, node=node, fault_kind=kind, reason=reason[:300],
                          put_s=round(time.time() - record["ts"], 4))
 
-    def _push_closed(self, record: dict, gen: int) -> bool:
-        """Push the fault and close generation ``gen`` in place in one transaction: the plan, its
-        round note and the fault reach every agent in one event batch of its signal watch, and this
-        node takes the plan with no join (False: the plan could not be made; push the fault alone).
+    def _push_closed(self, record: dict, gen: int, lost: str | None = None) -> bool:
+        """Push the fault and close generation ``gen`` in one transaction: in place (this node's spare
+        took the slot), or without the ``lost`` node.  The plan, its round note and the fault reach
+        every agent in one event batch of its signal watch (the record says ``closed``), and this
+        node takes the plan with no join (False: no plan could be made; push the fault alone, and
+        the round runs as before).
 
         Why not the fault first and the close from this node's round, as before: with 1,024
         simulated nodes on 2 cores, every agent hearing the fault kept this node's round thread off
@@ -877,16 +888,39 @@ class InProcessWorkers:
         fault first, as before): should the spare then fail, the attempt falls back to a restart,
         a new epoch whose plans start afresh."""
         try:
-            plan = self._kept_plan(gen)
+            plan = self._kept_plan(gen) if lost is None else self._plan_without(gen, lost)
         except (GenerationFailed, StoreError):
             return False
+        if plan is None:
+            return False
+        record["closed"] = True  # the others wait for the plan's note instead of joining (RoundNotes)
         t0 = time.monotonic()
-        closed = self.gens.close(plan, note=True, also=[self.state.fault_put(record)])
+        # The lost node is declared lost for the generation with its plan, as a coordinator's round does.
+        declared = [self.gens.lost_put(gen, lost, self.spec.node_id, str(record["reason"]))] if lost else []
+        closed = self.gens.close(plan, note=True, also=[self.state.fault_put(record)], with_plan=declared)
         if closed is plan:  # else another node closed it first: this node's round joins as before
             self._closed_with_fault[gen] = closed
-            self.events.emit("round.in_place", gen=gen, by=plan.by, world=plan.world, nodes=plan.nodes,
+            if lost is not None:
+                self._name_lost(lost, gen, str(record["reason"]))
+            self.events.emit("round.in_place" if lost is None else "round.closed_without", gen=gen, by=plan.by,
+                             world=plan.world, nodes=plan.nodes, lost=list(plan.lost),
                              close_s=round(time.monotonic() - t0, 4), with_fault=True)
         return True
+
+    def _plan_without(self, gen: int, lost: str) -> Plan | None:
+        """Generation ``gen`` without the ``lost`` node, pushed with its loss
+        (:func:`~elastic.control.generations.plan_without`: the plan held and the lost node's roster
+        record, one read), or None where the full round must decide: a generation this node does not
+        hold broke (a round it joined already), or a fixed-size run's round that waits for an
+        earlier lost node to come back (``rejoin_wait_s``: the coordinator holds it)."""
+        held = self.plan.gen if self.plan is not None else 0
+        if held != gen - 1 or lost == self.spec.node_id:
+            return None
+        previous = self.plan or self._plan0()
+        if previous.gone and previous.nodes - 1 < self.needed_nodes and self.config.rejoin_wait_s > 0:
+            return None
+        slots0 = self.gens.member(lost)
+        return plan_without(gen, previous, lost, slots0, self.spec.node_id) if slots0 else None
 
     def heard_fault(self, record: dict) -> None:
         """Another agent's pushed fault (from the signal watch's thread): to this node's workers."""

@@ -42,8 +42,9 @@ class RoundNotes:
         self._stores: dict[int, str] = {}
 
     def heard_fault(self, record: dict[str, Any]) -> None:
-        """A pushed fault of generation g whose node's spare takes the slot: g+1 closes in place."""
-        if self._ours(record) and record.get("in_place"):
+        """A pushed fault of generation g whose pusher closes g+1 with it (its node's spare took the
+        slot: ``in_place``; or the plan without a lost node went in the push: ``closed``)."""
+        if self._ours(record) and (record.get("in_place") or record.get("closed")):
             with self._cond:
                 self._in_place.add(int(record["gen"]) + 1)
                 self._prune(int(record["gen"]) + 1)

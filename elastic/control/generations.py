@@ -188,6 +188,25 @@ def plan_kept(gen: int, previous: Plan, by: str) -> Plan:
     return Plan(gen, previous.world, (), previous.nodes, (), previous.gone, previous.dropped0, by)
 
 
+def plan_without(gen: int, previous: Plan, node: str, slots0: dict[int, int], by: str) -> Plan:
+    """Generation ``gen`` when ``node`` (its generation-0 slots ``slots0``: local -> rank) was lost
+    and nothing else changed: :func:`plan_next` with every other node joined with all its slots, from
+    the plan held (``previous`` may be generation 0 as ``Plan(0, world0, nodes=n)``) and the lost
+    node's one roster record, instead of every node's join.  The agent that pushes the loss writes
+    it in the push's transaction; should another node be lost too, the generation fails to form
+    and the next one forms by the full round, as for :func:`plan_kept`."""
+    if node in previous.gone:
+        raise GenerationFailed(f"generation {gen}: node {node} was lost before generation {previous.gen}")
+    dropped0 = set(previous.dropped0)
+    live0 = sorted(rank0 for rank0 in slots0.values() if rank0 not in dropped0)
+    if not live0 or previous.nodes < 2:
+        raise GenerationFailed(f"generation {gen}: node {node} holds no rank of generation {previous.gen}, "
+                               "or no node would be left")
+    dropped = tuple(rank0 - bisect.bisect_left(previous.dropped0, rank0) for rank0 in live0)
+    return Plan(gen, previous.world, dropped, previous.nodes - 1, (node,), tuple(sorted({*previous.gone, node})),
+                tuple(sorted(dropped0 | set(live0))), by)
+
+
 @dataclass
 class JoinView:
     """What a node's join transaction read back, at one revision."""
@@ -291,19 +310,24 @@ class Generations:
 
     def mark_lost(self, gen: int, node: str, by: str, reason: str) -> bool:
         """Declare ``node`` gone for generation ``gen`` (once; True if this call recorded it)."""
-        record = json.dumps({"by": by, "reason": reason, "ts": time.time()})
-        ok, _ = self.store.compare_and_swap(self.keys.gen_lost(self.epoch, gen, node), record, 0)
+        put = self.lost_put(gen, node, by, reason)
+        ok, _ = self.store.compare_and_swap(put.key, put.value, 0)
         return ok
 
-    def close(self, plan: Plan, note: bool = False, also: Sequence[Put] = ()) -> Plan:
+    def lost_put(self, gen: int, node: str, by: str, reason: str) -> Put:
+        """:meth:`mark_lost`'s record, for a transaction that closes the round with it."""
+        return Put(self.keys.gen_lost(self.epoch, gen, node), json.dumps({"by": by, "reason": reason, "ts": time.time()}))
+
+    def close(self, plan: Plan, note: bool = False, also: Sequence[Put] = (), with_plan: Sequence[Put] = ()) -> Plan:
         """Write ``plan`` (create-only): the plan of its generation, this one or the one already there.
         ``note``: the same transaction puts it on the run's round note, which every agent's signal
         watch delivers (a plan closed in place: the other nodes take it from there, no join, no watch).
-        ``also``: puts made whether the plan is written or not (a pushed fault: one raft write for both)."""
+        ``also``: puts made whether the plan is written or not (a pushed fault: one raft write for both);
+        ``with_plan``: puts made only with it (the lost node's record of a plan that drops it)."""
         key = self.keys.gen_plan(self.epoch, plan.gen)
         record = plan.to_json()
         notes = [Put(self.keys.round_note, self._note("plan", plan.gen, plan=json.loads(record)))] if note else []
-        result = self.store.txn(Txn(compare=[Compare.absent(key)], success=[Put(key, record), *notes, *also],
+        result = self.store.txn(Txn(compare=[Compare.absent(key)], success=[Put(key, record), *notes, *also, *with_plan],
                                     failure=[*also, Get(key)]))
         return plan if result.succeeded else Plan.from_record(decode(result.results[-1]) or {})
 
