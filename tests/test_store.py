@@ -109,8 +109,8 @@ def test_requests_from_short_lived_threads_share_pooled_clients(store):
     """An agent's round runs on a new thread each time: its requests borrow an idle client (its
     session and connection) instead of making one per thread; concurrent ones each get their own."""
     made: list[int] = []
-    new_client = store._new_client
-    store._new_client = lambda index, timeout: made.append(index) or new_client(index, timeout)
+    new_client = store._new_unary
+    store._new_unary = lambda index: made.append(index) or new_client(index)
     for k in range(20):
         thread = threading.Thread(target=store.put, args=(f"/pool/{k}", "v"))
         thread.start()

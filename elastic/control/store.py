@@ -32,6 +32,7 @@ from etcd3gw.client import Etcd3Client
 from elastic.control.codec import KeyValue, WatchEvent, b64, kv_from_json, prefix_end
 from elastic.control.etcd_security import EtcdSecurity, etcd_error_text, short_ssl_reason, ssl_error_in
 from elastic.control.txn import Txn, TxnResult, decode_txn, encode_txn
+from elastic.control.unary import UnaryClient
 from elastic.control.watch import WatchCompacted, WatchStream
 
 __all__ = ["KeyValue", "WatchEvent", "KVStore", "EtcdStore", "StoreMeter", "StoreError", "StoreUnavailable",
@@ -217,7 +218,7 @@ class EtcdStore:
         # Child processes get TLS / auth settings through ELASTIC_ETCD_* (never argv).
         self.security = EtcdSecurity.from_env() if security is None else security
         self._local = threading.local()
-        self._pool: dict[tuple[int, float], list[Etcd3Client]] = {}  # idle clients for requests (_borrow)
+        self._pool: dict[int, list[UnaryClient]] = {}  # idle clients for requests, per member (_borrow)
         self._pool_lock = threading.Lock()
         self._shutting_down = threading.Event()
         self._token: str | None = None  # etcd auth token, shared by this store's threads
@@ -267,25 +268,34 @@ class EtcdStore:
         client.session.hooks["response"].append(self._metered)
         return client
 
-    def _authorize(self, client: Etcd3Client) -> None:
+    def _new_unary(self, index: int) -> UnaryClient:
+        host, port = self.endpoints[index]
+        return UnaryClient(f"{self.security.scheme}://{host}:{port}", self.security, self._metered_body)
+
+    def _authorize(self, client: Etcd3Client | UnaryClient) -> None:
         if self.security.username:
-            client.session.headers["Authorization"] = self._auth_token(client)
+            headers = client.headers if isinstance(client, UnaryClient) else client.session.headers
+            headers["Authorization"] = self._auth_token(headers)
 
     def _metered(self, resp: requests.Response, *args: Any, stream: bool = False, **kwargs: Any) -> None:
         # A watch's body is its stream: WatchStream counts it chunk by chunk, never read here.
         if self.meter is not None and not stream:
             self.meter.read(len(resp.content))
 
+    def _metered_body(self, nbytes: int) -> None:
+        if self.meter is not None:
+            self.meter.read(nbytes)
+
     # etcd3gw has no auth support: authenticate over the gateway and send the token as the
     # Authorization header.  etcd expires a token after --auth-token-ttl (300 s) unused or
     # on restart, answering "invalid auth token"; _call then fetches a new one once.
-    def _auth_token(self, client: Etcd3Client) -> str:
+    def _auth_token(self, headers: Any) -> str:
         with self._token_lock:
             if self._token is None:
-                client.session.headers.pop("Authorization", None)  # a stale token would be refused
+                headers.pop("Authorization", None)  # a stale token would be refused
                 body = {"name": self.security.username, "password": self.security.password}
                 try:
-                    resp = client.post(client.get_url("/auth/authenticate"), json=body)
+                    resp = self._unauthenticated(body)
                 except gw_exc.Etcd3Exception as exc:
                     if isinstance(exc, (gw_exc.ConnectionFailedError, gw_exc.ConnectionTimeoutError)):
                         raise
@@ -293,6 +303,13 @@ class EtcdStore:
                                          f"{etcd_error_text(exc)}") from None
                 self._token = str(resp["token"])
             return self._token
+
+    def _unauthenticated(self, body: dict[str, Any]) -> Any:
+        client = self._new_unary(self._current)
+        try:
+            return client.post("/auth/authenticate", body, self.request_timeout)
+        finally:
+            client.close()
 
     def _drop_token(self) -> None:
         with self._token_lock:
@@ -315,7 +332,7 @@ class EtcdStore:
             return StoreAuthError(f"etcd at {self.endpoint}: user {self.security.username!r} may not {what}")
         return None
 
-    def _call(self, what: str, fn: Callable[[Etcd3Client], T], deadline: float | None = None,
+    def _call(self, what: str, fn: Callable[[UnaryClient, float], T], deadline: float | None = None,
               timeout: float | None = None) -> T:
         deadline = self.retry_deadline if deadline is None else deadline
         retrying = tenacity.Retrying(
@@ -350,16 +367,16 @@ class EtcdStore:
                 raise LeaseExpired(f"{what}: {text}") from exc
             raise StoreError(f"etcd error during {what}: {text}") from exc
 
-    def _attempt(self, fn: Callable[[Etcd3Client], T], index: int, timeout: float | None = None) -> T:
-        client = self._borrow(index, timeout)
+    def _attempt(self, fn: Callable[[UnaryClient, float], T], index: int, timeout: float | None = None) -> T:
+        client = self._borrow(index)
         try:
-            return self._attempt_with(fn, client)
+            return self._attempt_with(fn, client, self.request_timeout if timeout is None else timeout)
         finally:
-            self._give_back(client, index, timeout)
+            self._give_back(client, index)
 
-    def _attempt_with(self, fn: Callable[[Etcd3Client], T], client: Etcd3Client) -> T:
+    def _attempt_with(self, fn: Callable[[UnaryClient, float], T], client: UnaryClient, timeout: float) -> T:
         try:
-            return fn(client)
+            return fn(client, timeout)
         except gw_exc.Etcd3Exception as exc:
             text = etcd_error_text(exc)
             if isinstance(exc, (gw_exc.ConnectionFailedError, gw_exc.ConnectionTimeoutError)):
@@ -370,34 +387,33 @@ class EtcdStore:
                 raise
         self._drop_token()  # expired or the server restarted: authenticate again, once
         self._authorize(client)
-        return fn(client)
+        return fn(client, timeout)
 
     # A request borrows a client from a pool shared by this store's threads (a client is used by
-    # one thread at a time: requests.Session is not thread-safe) and gives it back.  Per-thread
+    # one thread at a time: its one connection carries one request at a time) and gives it back;
+    # the timeout is the request's, not the client's, so a lease's short refreshes share it too.  Per-thread
     # clients cost every new thread a new session and a new connection (a TLS handshake with TLS):
     # an agent's round runs on a thread of its own, so every node paid one per round (1,024 new
     # connections to etcd at once in benchmarks/control_plane.py).  Watch streams keep a client per
     # thread (session_for): a stream holds its connection for as long as it runs.
     _POOL_IDLE = 32
 
-    def _borrow(self, index: int, timeout: float | None) -> Etcd3Client:
-        key = (index, self.request_timeout if timeout is None else timeout)
+    def _borrow(self, index: int) -> UnaryClient:
         with self._pool_lock:
-            idle = self._pool.get(key)
+            idle = self._pool.get(index)
             client = idle.pop() if idle else None
         if client is None:
-            client = self._new_client(*key)
+            client = self._new_unary(index)
         self._authorize(client)
         return client
 
-    def _give_back(self, client: Etcd3Client, index: int, timeout: float | None) -> None:
-        key = (index, self.request_timeout if timeout is None else timeout)
+    def _give_back(self, client: UnaryClient, index: int) -> None:
         with self._pool_lock:
-            idle = self._pool.setdefault(key, [])
+            idle = self._pool.setdefault(index, [])
             if len(idle) < self._POOL_IDLE:
                 idle.append(client)
                 return
-        client.session.close()
+        client.close()
 
     def _unreachable(self, what: str, exc: Exception) -> str:
         text = etcd_error_text(exc) or type(exc).__name__
@@ -433,7 +449,7 @@ class EtcdStore:
         self.requests_sent += 1  # approximate under threads (no lock): for rate reports only
         if self.meter is not None:
             self.meter.request(_is_write(path, body))
-        return self._call(what, lambda c: c.post(c.get_url(path), json=body), deadline, timeout)
+        return self._call(what, lambda client, t: client.post(path, body, t), deadline, timeout)
 
     # -- KV ----------------------------------------------------------------
     def get(self, key: str) -> KeyValue | None:
