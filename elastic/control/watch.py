@@ -24,7 +24,10 @@ them).  Nothing is lost meanwhile: every range resumes from its own revision.
 from __future__ import annotations
 
 import base64
+import heapq
+import itertools
 import json
+import os
 import queue
 import random
 import socket
@@ -151,13 +154,11 @@ class WatchStream:
             self._resp = resp
             if resp.status_code != 200:
                 raise requests.exceptions.ConnectionError(f"watch: HTTP {resp.status_code} {resp.text[:200]}")
-            watchdog = threading.Timer(self._create_wait or self.create_timeout_s, self._check_created, args=(resp,))
-            watchdog.daemon = True
-            watchdog.start()
+            watchdog = _ALARMS.after(self._create_wait or self.create_timeout_s, self._check_created, resp)
             try:
                 self._read(resp, meter)
             finally:
-                watchdog.cancel()
+                _ALARMS.cancel(watchdog)
 
     def _check_created(self, resp: requests.Response) -> None:
         """Drop a connect that did not create every range's watcher (see the module docstring)."""
@@ -220,6 +221,61 @@ class WatchStream:
         for i, (low, end) in enumerate(self._bounds):
             if key == low or (end is not None and low <= key and (key < end or end == b"\0")):
                 self._next[i] = max(self._next[i], event.mod_revision + 1)
+
+
+class _Alarms:
+    """Runs each due callback on one daemon thread per process (a connect's created-check).
+
+    A ``threading.Timer`` per connect was one more thread started and woken per watch: in the
+    2,048-participant rendezvous (128 participant threads per process on 2 cores) that is 2,048
+    threads for a check that almost never fires.  Callbacks must be short: they run in turn."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._heap: list[list[Any]] = []  # [due, seq, fn, args]; fn None once cancelled
+        self._seq = itertools.count()
+        self._thread: threading.Thread | None = None
+
+    def after(self, delay: float, fn: Callable[..., None], *args: Any) -> list[Any]:
+        entry = [time.monotonic() + delay, next(self._seq), fn, args]
+        with self._cond:
+            heapq.heappush(self._heap, entry)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="watch-alarms", daemon=True)
+                self._thread.start()
+            if self._heap[0] is entry:
+                self._cond.notify()
+        return entry
+
+    @staticmethod
+    def cancel(entry: list[Any]) -> None:
+        entry[2] = None  # dropped when due (the heap is not searched)
+
+    def _run(self) -> None:
+        while True:
+            fn, args = self._next_due()
+            try:
+                fn(*args)
+            except Exception:  # noqa: BLE001 - one failed check must not stop the others
+                pass
+
+    def _next_due(self) -> tuple[Callable[..., None], tuple[Any, ...]]:
+        with self._cond:
+            while True:
+                wait = self._heap[0][0] - time.monotonic() if self._heap else None
+                if wait is not None and wait <= 0:
+                    _, _, fn, args = heapq.heappop(self._heap)
+                    if fn is not None:
+                        return fn, args
+                    continue
+                self._cond.wait(wait)
+
+    def _after_fork(self) -> None:
+        self._cond, self._heap, self._thread = threading.Condition(), [], None  # the thread did not fork
+
+
+_ALARMS = _Alarms()
+os.register_at_fork(after_in_child=_ALARMS._after_fork)
 
 
 def _idle(exc: BaseException) -> bool:
