@@ -208,3 +208,21 @@ def test_c10d_batches_beyond_the_txn_cap(c10d):
     c10d.multi_set(keys, [str(i) for i in range(300)])
     assert c10d.multi_get(keys) == [str(i).encode() for i in range(300)]
     assert c10d.check(keys)
+
+
+def test_round_record_is_stored_compressed_and_a_plain_json_one_still_decodes():
+    import json
+
+    from torch.distributed.elastic.rendezvous import RendezvousStateError
+
+    from elastic.rendezvous.round import RoundRecord
+
+    nodes = [f"10.0.{i // 256}.{i % 256}_4242_0" for i in range(2048)]
+    record = RoundRecord(3, nodes, "10.0.0.0", 29500)
+    raw = record.encode()
+    assert len(raw) * 3 < len(json.dumps(nodes))  # what every waiter's watch event carries
+    assert RoundRecord.decode(raw, 7) == RoundRecord(3, nodes, "10.0.0.0", 29500, 7)
+    plain = json.dumps({"round": 1, "nodes": ["a", "b"], "master": ["a", 1]}).encode()
+    assert RoundRecord.decode(plain, 2).nodes == ["a", "b"]
+    with pytest.raises(RendezvousStateError, match="corrupt round record"):
+        RoundRecord.decode(raw[:-5], 7)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import random
 import time
+import zlib
 from dataclasses import dataclass, field
 
 from torch.distributed.elastic.rendezvous import (
@@ -69,7 +70,12 @@ class NodeRecord:
 
 @dataclass(frozen=True, slots=True)
 class RoundRecord:
-    """A formed round: node ids in rank order, and where rank 0 listens."""
+    """A formed round: node ids in rank order, and where rank 0 listens.
+
+    Stored zlib-compressed: every waiter of the round receives it in its watch event, so etcd's
+    gateway encodes it once per node.  At 2,048 participants the JSON is 48 KB (64 KB as the
+    gateway's event): 128 MB to encode and send per formation, against 11 KB compressed (sorted
+    ids share most of their characters).  A record written as plain JSON still decodes."""
 
     round: int
     nodes: list[str]
@@ -78,16 +84,16 @@ class RoundRecord:
     revision: int = 0  # etcd revision of the done record (not stored in it)
 
     def encode(self) -> bytes:
-        return json.dumps({"round": self.round, "nodes": self.nodes,
-                           "master": [self.master_addr, self.master_port]}).encode()
+        return zlib.compress(json.dumps({"round": self.round, "nodes": self.nodes,
+                                         "master": [self.master_addr, self.master_port]}).encode())
 
     @classmethod
     def decode(cls, raw: bytes, revision: int) -> RoundRecord:
         try:
-            data = json.loads(raw)
+            data = json.loads(raw if raw[:1] == b"{" else zlib.decompress(raw))
             addr, port = data["master"]
             return cls(int(data["round"]), [str(n) for n in data["nodes"]], str(addr), int(port), revision)
-        except (ValueError, KeyError, TypeError) as exc:
+        except (ValueError, KeyError, TypeError, zlib.error) as exc:
             raise RendezvousStateError(f"corrupt round record: {raw[:200]!r}") from exc
 
 
