@@ -242,13 +242,17 @@ class EtcdStore:
             self._current = (index + 1) % len(self.endpoints)
             log.warning("etcd member %s:%d failed; using %s:%d", *self.endpoints[index], *self.endpoints[self._current])
 
-    def session_for(self, index: int) -> tuple[requests.Session, str]:
-        """This thread's HTTP session for member ``index`` and that member's ``/v3`` URL."""
-        client = self._client(index)
-        return client.session, client.base_url + "/v3"
+    def stream_client(self, index: int) -> UnaryClient:
+        """This thread's client for watch streams on member ``index`` (a stream holds its connection)."""
+        clients = self._local.__dict__.setdefault("streams", {})
+        client = clients.get(index)
+        if client is None:
+            client = clients[index] = self._new_unary(index)
+        self._authorize(client)
+        return client
 
     def _client(self, index: int | None = None, timeout: float | None = None) -> Etcd3Client:
-        """This thread's own client (a watch stream's: see _borrow for requests)."""
+        """This thread's own etcd3gw client (``http_session``: callers that need the HTTP response)."""
         index = self._current if index is None else index
         timeout = self.request_timeout if timeout is None else timeout
         clients = self._local.__dict__.setdefault("clients", {})
@@ -395,7 +399,7 @@ class EtcdStore:
     # clients cost every new thread a new session and a new connection (a TLS handshake with TLS):
     # an agent's round runs on a thread of its own, so every node paid one per round (1,024 new
     # connections to etcd at once in benchmarks/control_plane.py).  Watch streams keep a client per
-    # thread (session_for): a stream holds its connection for as long as it runs.
+    # thread (stream_client): a stream holds its connection for as long as it runs.
     _POOL_IDLE = 32
 
     def _borrow(self, index: int) -> UnaryClient:

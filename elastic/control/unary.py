@@ -4,12 +4,13 @@ Why not etcd3gw's ``Etcd3Client.post`` (requests underneath), which the store us
 request requests merges settings, builds cookie jars and checks headers against runtime protocols,
 and a new session reads the whole environment for proxies.  Measured on this host against a local
 etcd, one thread, ``get`` of one key: the store over etcd3gw 0.60 ms of CPU a request, this client
-0.24 ms, ``http.client`` bare 0.15 ms (``/tmp``-free script in the commit message).  Under a
+0.36 ms (urllib3 bare 0.24, ``http.client`` bare 0.15 ms).  Under a
 rendezvous of 2,048 participants the clients' CPU was most of the host's (the participants share
 two cores with etcd), and making a session per participant thread cost as much as its requests.
 
-Watch streams stay on requests (:mod:`elastic.control.watch`): one per agent, long-lived, and
-their chunked bodies are read by requests' iterator.
+Watch streams (:mod:`elastic.control.watch`) use it too (:meth:`UnaryClient.stream`): in the
+2,048-participant rendezvous, opening each waiter's stream through a requests session was two thirds
+of the participant processes' CPU samples (py-spy).
 
 Errors are etcd3gw's, raised as etcd3gw raises them, so the store's retry and error typing stay
 one code path: a timeout is ``ConnectionTimeoutError``, a refused or broken connection (TLS
@@ -96,6 +97,13 @@ class UnaryClient:
             text = resp.data.decode(errors="replace")
             raise _BY_STATUS.get(resp.status, gw_exc.Etcd3Exception)(text, resp.reason)
         return resp.data
+
+    def stream(self, path: str, payload: bytes, connect_timeout: float, read_timeout: float) -> urllib3.BaseHTTPResponse:
+        """A streaming POST (a watch): the response with its body unread; urllib3's errors raised
+        as they are (the watch reconnects on any of them).  Close it, then ``release_conn()``."""
+        return self._http.request("POST", f"{self.base_url}/v3{path}", body=payload, headers=self.headers,
+                                  timeout=urllib3.Timeout(connect=connect_timeout, read=read_timeout),
+                                  preload_content=False, release_conn=False)
 
     def close(self) -> None:
         self._http.clear()

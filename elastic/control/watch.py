@@ -37,6 +37,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import requests
+import urllib3
 
 from elastic.control.codec import WatchEvent, b64, event_from_json, prefix_end
 
@@ -44,7 +45,7 @@ if TYPE_CHECKING:
     from elastic.control.store import EtcdStore
 
 _STREAM_ERRORS = (requests.exceptions.ConnectionError, requests.exceptions.ChunkedEncodingError,
-                  requests.exceptions.Timeout, OSError, ValueError)
+                  requests.exceptions.Timeout, urllib3.exceptions.HTTPError, OSError, ValueError)
 
 
 class WatchCompacted(RuntimeError):
@@ -84,7 +85,7 @@ class WatchStream:
         self._idle_s = idle_s
         self._queue: queue.Queue[list[WatchEvent] | BaseException] = queue.Queue()
         self._stop = threading.Event()
-        self._resp: requests.Response | None = None
+        self._resp: urllib3.BaseHTTPResponse | None = None
         self._thread = threading.Thread(target=self._run, name=f"watch-{key[-24:]}", daemon=True)
         self._thread.start()
 
@@ -141,26 +142,27 @@ class WatchStream:
                 return
 
     def _stream(self, index: int) -> None:
-        session, base = self._store.session_for(index)
+        client = self._store.stream_client(index)
         self._store.requests_sent += 1
         meter = self._store.meter
         if meter is not None:
             meter.watch()
-        body = "".join(json.dumps({"create_request": self._create(i)}) for i in self._order)
+        body = "".join(json.dumps({"create_request": self._create(i)}) for i in self._order).encode()
         self._created = 0
-        timeout = (self._store.request_timeout, self._idle_s)
-        with session.post(base + "/watch", data=body, headers={"Content-Type": "application/json"}, stream=True,
-                          timeout=timeout) as resp:
-            self._resp = resp
-            if resp.status_code != 200:
-                raise requests.exceptions.ConnectionError(f"watch: HTTP {resp.status_code} {resp.text[:200]}")
+        resp = client.stream("/watch", body, self._store.request_timeout, self._idle_s)
+        self._resp = resp
+        watchdog = None
+        try:
+            if resp.status != 200:
+                raise requests.exceptions.ConnectionError(f"watch: HTTP {resp.status} {resp.read()[:200]!r}")
             watchdog = _ALARMS.after(self._create_wait or self.create_timeout_s, self._check_created, resp)
-            try:
-                self._read(resp, meter)
-            finally:
+            self._read(resp, meter)
+        finally:
+            if watchdog is not None:
                 _ALARMS.cancel(watchdog)
+            _close(resp)
 
-    def _check_created(self, resp: requests.Response) -> None:
+    def _check_created(self, resp: urllib3.BaseHTTPResponse) -> None:
         """Drop a connect that did not create every range's watcher (see the module docstring)."""
         created = self._created
         if created >= len(self._ranges) or self._stop.is_set():
@@ -172,9 +174,9 @@ class WatchStream:
         self._short = True
         _shutdown(resp)  # the reader's next read fails: it connects again
 
-    def _read(self, resp: requests.Response, meter: Any) -> None:
+    def _read(self, resp: urllib3.BaseHTTPResponse, meter: Any) -> None:
         buffer = b""
-        for chunk in resp.iter_content(chunk_size=None):
+        for chunk in resp.read_chunked(decode_content=False):
             if self._stop.is_set():
                 return
             if meter is not None:
@@ -284,16 +286,25 @@ def _idle(exc: BaseException) -> bool:
     return "Read timed out" in text or "ReadTimeout" in text
 
 
-def _shutdown(resp: requests.Response) -> None:
+def _shutdown(resp: urllib3.BaseHTTPResponse) -> None:
     """Wake a reader blocked on ``resp``: closing a socket from another thread does not."""
     try:
-        sock = resp.raw._fp.fp.raw._sock  # type: ignore[union-attr]
+        sock = resp._fp.fp.raw._sock  # type: ignore[attr-defined]
         sock.shutdown(socket.SHUT_RDWR)
     except (AttributeError, OSError):
         pass
 
 
-def _abort(resp: requests.Response | None) -> None:
+def _close(resp: urllib3.BaseHTTPResponse) -> None:
+    """Close a finished stream and hand its (closed) connection back: the client's pool then
+    connects afresh for the next stream."""
+    try:
+        resp.close()
+    finally:
+        resp.release_conn()
+
+
+def _abort(resp: urllib3.BaseHTTPResponse | None) -> None:
     """Wake a reader blocked on ``resp`` and close it."""
     if resp is None:
         return
