@@ -264,12 +264,12 @@ class _Alarms:
     def _next_due(self) -> tuple[Callable[..., None], tuple[Any, ...]]:
         with self._cond:
             while True:
+                while self._heap and self._heap[0][2] is None:
+                    heapq.heappop(self._heap)  # cancelled: almost every check is (a wake-up each was most of this thread's CPU)
                 wait = self._heap[0][0] - time.monotonic() if self._heap else None
                 if wait is not None and wait <= 0:
                     _, _, fn, args = heapq.heappop(self._heap)
-                    if fn is not None:
-                        return fn, args
-                    continue
+                    return fn, args
                 self._cond.wait(wait)
 
     def _after_fork(self) -> None:
