@@ -3,7 +3,7 @@
     python benchmarks/control_plane.py --nodes 64,256,1024 --ranks-per-node 8 --json out.json
         [--procs 32] [--rank-threads rank|node] [--faults worker_loss,node_loss] [--round-timeout 300]
         [--fault-path push|error]
-        [--idle-s 5] [--rendezvous-size 2048] [--baseline before.json]
+        [--idle-s 5] [--rendezvous-size 2048] [--rendezvous-repeats 3] [--baseline before.json]
 
 Simulated nodes (``benchmarks/cp_sim.py``: the real Supervisor, InProcessWorkers and InProcess code,
 no training, ``--procs`` processes of threads) against a real 3-member etcd on loopback (the
@@ -33,7 +33,7 @@ the watch's reconnect bound (one per agent per ``watch_idle_s``; an ``--idle-s``
 Top level: ``round_s``, ``requests_per_node_per_round`` and ``idle_requests_per_s`` per size (the
 worker loss for the first two), ``bytes_ratio_256_to_1024`` (linear growth is 4x), the rendezvous
 benchmark (``benchmarks/rendezvous.py``, etcd3 barrier handler, 3 members) at ``--rendezvous-size``
-participants, the load average, and ``baseline``: this host's sequential etcd latencies, plus
+participants (the median of ``--rendezvous-repeats`` formations, each run listed), the load average, and ``baseline``: this host's sequential etcd latencies, plus
 ``--baseline``'s report (an earlier run, e.g. before a change) when given.  A size whose round did
 not finish within ``--round-timeout`` is reported as such, and larger sizes are not tried.
 """
@@ -290,13 +290,16 @@ def _latency_baseline(endpoints: str, n: int = 200) -> dict[str, float]:
     return {f"{op}_ms_p50": round(statistics.median(v) * 1000, 3) for op, v in timings.items()}
 
 
-def _rendezvous(size: int, timeout: float) -> dict[str, Any]:
-    """``benchmarks/rendezvous.py`` at ``size`` participants: the etcd3 barrier handler, 3 members."""
+def _rendezvous(size: int, timeout: float, repeats: int) -> dict[str, Any]:
+    """``benchmarks/rendezvous.py`` at ``size`` participants: the etcd3 barrier handler, 3 members.
+
+    ``formation_s`` is the median of ``repeats`` (each with fresh participant processes): single
+    runs of one commit at 2,048 ranged 7.8-10.6 s here."""
     out_path = Path(tempfile.mkdtemp(prefix="cp-rdzv-")) / "rdzv.json"
     cmd = [sys.executable, str(REPO / "benchmarks" / "rendezvous.py"), "--sizes", str(size), "--backends", "etcd3",
-           "--repeats", "1", "--reform-size", "0", "--etcd-members", "3", "--timeout", str(timeout),
+           "--repeats", str(repeats), "--reform-size", "0", "--etcd-members", "3", "--timeout", str(timeout),
            "--json", str(out_path)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout + 300)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=(timeout + 100) * repeats + 200)
     try:
         report = json.loads(out_path.read_text())
     except (OSError, ValueError):
@@ -307,6 +310,8 @@ def _rendezvous(size: int, timeout: float) -> dict[str, Any]:
     runs = entry.get("runs", [])
     out = {"participants": size, "formation_s": entry.get("formation_s_median"),
            "requests_per_participant": next((r.get("requests_per_participant") for r in runs if r.get("ok")), None),
+           "formation_s_runs": [r.get("formation_s") for r in runs],
+           "first_return_s_runs": [r.get("first_return_s") for r in runs],
            "ok": bool(entry.get("ok_repeats")), "command": " ".join(["benchmarks/rendezvous.py", *cmd[2:-2]]),
            "loadavg_1m_start": report.get("loadavg_1m_start")}
     if runs and not runs[0].get("ok"):
@@ -349,6 +354,7 @@ def main() -> int:
     parser.add_argument("--faults", default="worker_loss,node_loss",
                         help="rounds per size, in order (each re-forms the previous round's generation)")
     parser.add_argument("--rendezvous-size", type=int, default=2048, help="0 skips the rendezvous benchmark")
+    parser.add_argument("--rendezvous-repeats", type=int, default=3, help="its formations (the median is reported)")
     parser.add_argument("--rank-threads", choices=("rank", "node"), default="rank",
                         help="simulated ranks: a thread each, or a thread per node (see benchmarks/cp_sim.py)")
     parser.add_argument("--fault-path", choices=("push", "error"), default="push",
@@ -386,7 +392,7 @@ def main() -> int:
         shutil.rmtree(work, ignore_errors=True)
     _summary(report)
     if args.rendezvous_size:
-        report["rendezvous"] = _rendezvous(args.rendezvous_size, args.round_timeout)
+        report["rendezvous"] = _rendezvous(args.rendezvous_size, args.round_timeout, args.rendezvous_repeats)
     if args.baseline:
         report["baseline"]["report"] = _baseline_summary(json.loads(Path(args.baseline).read_text()))
     report["loadavg_1m_end"] = round(os.getloadavg()[0], 2)
