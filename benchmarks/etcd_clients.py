@@ -6,7 +6,9 @@ Needs ``cslab-etcd3`` (the gRPC client; not a dependency of this project) for th
 without it only the gateway is measured.  Against one embedded etcd on 127.0.0.1:
 
 * ``sequential``: median latency of put, get and a join-like transaction (put + count of a
-  prefix), 300 each from one thread, and the client CPU per request;
+  prefix), 300 each from one thread, and the client CPU per request; ``gateway`` is a plain
+  requests session (what the store sent its requests through before ``UnaryClient``), ``store``
+  the runtime's ``EtcdStore`` itself (urllib3, retries and all);
 * ``barrier_<n>_s``: the rendezvous pattern at n participants (threads in ``--procs``
   processes): each participant joins (the gateway: one transaction that puts and counts; gRPC:
   a put then a count), the one that sees count == n writes a done key, and everyone else waits
@@ -105,7 +107,32 @@ class Grpc:
             return
 
 
-CLIENTS = {"gateway": Gateway, "grpc": Grpc}
+class Store:
+    """The runtime's own EtcdStore (its requests on urllib3: elastic/control/unary.py), retries included."""
+
+    def __init__(self, endpoint: str) -> None:
+        from elastic.control.store import EtcdStore
+
+        self.store = EtcdStore(endpoint)
+
+    def put(self, key: str, value: str) -> None:
+        self.store.put(key, value)
+
+    def get(self, key: str) -> None:
+        self.store.get(key)
+
+    def join(self, prefix: str, key: str) -> int:
+        from elastic.control.txn import Count, Put, Txn
+
+        return self.store.txn(Txn(success=[Put(key, "x"), Count(prefix)])).results[1]
+
+    def wait(self, key: str) -> None:
+        with self.store.watch(key, 1) as stream:
+            while not stream.get(60.0):
+                pass
+
+
+CLIENTS = {"gateway": Gateway, "store": Store, "grpc": Grpc}
 
 
 def _sequential(kind: str, endpoint: str, n: int = 300) -> dict:
@@ -161,7 +188,7 @@ def main() -> int:
     args = parser.parse_args()
     from elastic.control.etcd_server import EmbeddedEtcd
 
-    kinds = ["gateway"]
+    kinds = ["gateway", "store"]
     try:
         import etcd3  # noqa: F401
 

@@ -1,6 +1,7 @@
 """The etcd v3 operations the runtime needs, behind one small interface.
 
-Client: ``etcd3gw`` (the v3 JSON gateway over HTTP), kept after measuring the gRPC client
+Client: etcd's v3 JSON gateway over HTTP (requests sent by :class:`~elastic.control.unary.UnaryClient`
+on urllib3; etcd3gw's exception types, and its client for ``http_session``), kept after measuring the gRPC client
 ``cslab-etcd3`` (benchmarks/etcd_clients.py): gRPC is ~2x faster per request, but the
 rendezvous sends O(1) requests per participant, and on its pattern (a join transaction, then a
 watch on one key) the gateway formed 1024 participants in 4.3 s against 8.2 s for gRPC.  gRPC
