@@ -22,6 +22,9 @@ run rolled back and ended bitwise equal to a fault-free run of the same config. 
 that is not checked is never found by replay (the next checks replay from the same wrong weights and
 agree): the flips land on checked steps by design, and the JSON says so.
 
+``--replay-nodes K`` (``sdc.replay_nodes``) checks K nodes per check instead of every node, in both
+parts; a flip then lands on a rank that is checked at its step (drawn from the same sampling).
+
 Prints one JSON object (``--json PATH`` writes it too), with the load average before and after.
 """
 
@@ -42,10 +45,12 @@ from recovery import NO_PREFLIGHT, checksum, load_avg, spares_warm  # noqa: E402
 from recovery_torchrun import env, make_config  # noqa: E402
 
 from elastic.common.events import read_run_events  # noqa: E402
-from elastic.sdc.replay import checked_step  # noqa: E402
+from elastic.sdc.replay import checked_nodes, checked_step  # noqa: E402
 from elastic.worker.faults import fired_records, write_fault  # noqa: E402
+from trainer.dit_config import DiTTrainerConfig  # noqa: E402
 
 RANK0 = "trainer/rank0"
+TRAINER_SEED = DiTTrainerConfig().seed  # the DiT's seed (the config leaves it alone): it seeds the sampling
 
 
 def launch(config: Path, log: Path) -> subprocess.Popen:
@@ -64,7 +69,8 @@ def finish(proc: subprocess.Popen, timeout: float = 1200) -> int:
 
 def config(args, work: Path, name: str, extra: dict) -> tuple[Path, Path]:
     run_dir = work / name
-    base = {**NO_PREFLIGHT, "launch.workload": "dit", "trainer.global_batch_size": 12}
+    base = {**NO_PREFLIGHT, "launch.workload": "dit", "trainer.global_batch_size": 12,
+            "sdc.replay_nodes": args.replay_nodes}
     return make_config(args, run_dir, f"sdc-{name}", {**base, **extra}, trainer="dit"), run_dir
 
 
@@ -128,13 +134,13 @@ def detect_once(args, work: Path, seed: int, reference: str | None) -> dict:
     wait_warm(run_dir, proc, args.nodes)
     now = newest_step(run_dir)
     checks = [s for s in range(now + 3, args.steps - 2 * args.detect_every) if checked_step(s, args.detect_every)]
-    node = f"node{rng.randrange(1, args.nodes)}"
-    step = rng.choice(checks) if checks else None
+    node, step, spec = flip_target(args, rng, checks)
     if step is not None:
-        write_fault(run_dir, f"bench-sdc-{seed}", {"kind": "sdc", "node": node, "step": step, "at": "local"})
+        write_fault(run_dir, f"bench-sdc-{seed}", {"kind": "sdc", "step": step, "at": "local", **spec})
     rc = finish(proc)
     events = read_run_events(run_dir)
     fired = [r["fired"] for r in fired_records(run_dir, "sdc")]
+    node = node or (fired[0]["node"] if fired else None)
     suspects = [e for e in events if e["kind"] == "sdc.suspect"]
     out = {"seed": seed, "node": node, "flip_step": step, "rc": rc, "fired": bool(fired)}
     if not fired or not suspects:
@@ -149,6 +155,21 @@ def detect_once(args, work: Path, seed: int, reference: str | None) -> dict:
                              and e["source"] == RANK0],
                bitwise=checksum(run_dir) == reference if reference else None)
     return out
+
+
+def flip_target(args, rng: random.Random, checks: list[int]) -> tuple[str | None, int | None, dict]:
+    """(node named, step, the fault's target) for one flip: a node other than node0 and a checked step.
+    With ``--replay-nodes`` sampling, a (step, rank) pair whose rank is checked then (one rank per node
+    here, so the rank is the node's index in the world; the node is read from the fired record)."""
+    if 0 < args.replay_nodes < args.nodes:
+        pairs = [(s, i) for s in checks
+                 for i in checked_nodes(s // args.detect_every, args.nodes, args.replay_nodes, TRAINER_SEED) if i]
+        if not pairs:
+            return None, None, {}
+        step, rank = rng.choice(sorted(pairs))
+        return None, step, {"rank": rank}
+    node = f"node{rng.randrange(1, args.nodes)}"
+    return node, (rng.choice(checks) if checks else None), {"node": node}
 
 
 def detection(args, work: Path) -> dict:
@@ -175,6 +196,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=100, help="steps before the blocks count (spares import)")
     p.add_argument("--seeds", type=int, default=3, help="detection runs (0: none)")
     p.add_argument("--detect-every", type=int, default=10)
+    p.add_argument("--replay-nodes", type=int, default=0,
+                   help="sdc.replay_nodes: nodes checked per check (0: every node)")
     p.add_argument("--steps", type=int, default=160, help="steps of each detection run")
     p.add_argument("--interval", type=int, default=10, help="disk checkpoint interval")
     p.add_argument("--step-sleep", type=float, default=0.05)
@@ -185,7 +208,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    report: dict = {"nodes": args.nodes, "trainer": args.trainer, "load_avg_before": load_avg()}
+    report: dict = {"nodes": args.nodes, "trainer": args.trainer, "replay_nodes": args.replay_nodes,
+                    "load_avg_before": load_avg()}
     with tempfile.TemporaryDirectory(prefix="bench-sdc-") as tmp:
         work = Path(args.keep) if args.keep else Path(tmp)
         work.mkdir(parents=True, exist_ok=True)

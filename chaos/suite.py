@@ -107,7 +107,10 @@ def standard_scenarios(nodes: list[str], steps: int, interval: int, check_every:
                  ex(required_events=["checkpoint.save_failed"])),
         # Silent: passes only when the flip is named (the sdc_detected invariant) and healed bitwise.
         Scenario("sdc", [_spec("sdc", first, at_time_s=0, step=flip, at=at, **rank)],
-                 ex(required_events=["sdc.suspect"], note=f"one bit of node1's gradient ({at}) flipped")),
+                 ex(required_events=["sdc.suspect"], note=f"one bit of node1's gradient ({at}) flipped"),
+                 # One flip on one step is seen only if node1 is checked then: every node is, for this run
+                 # (a job with sdc.replay_nodes samples nodes per check; the detection path is the same).
+                 sets=["sdc.replay_nodes=0"] if replay_every and not check_every else []),
         # A dead spare must be noticed and replaced before the node's next worker death needs one.
         Scenario("kill_spare", [_spec("kill_spare", first, at_step=interval + 2),
                                 _spec("kill_worker", first, at_step=interval + 2, after=0, delay_s=2.0)], ex()),

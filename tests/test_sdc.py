@@ -221,6 +221,7 @@ def test_the_suite_flips_on_a_checked_step_and_reports_an_uncovered_job_as_faile
     [sdc] = [s for s in standard_scenarios(nodes, 40, 10, replay_every=7) if s.name == "sdc"]
     [fault] = sdc.faults  # a checked step in the second half (the spares have imported), local to the rank
     assert (fault.params.step, fault.params.at, fault.params.rank) == (21, "local", None) and sdc.expect.bitwise
+    assert sdc.sets == ["sdc.replay_nodes=0"]  # node1 is checked on the flipped step even if the job samples nodes
     [sdc] = [s for s in standard_scenarios(nodes, 40, 10) if s.name == "sdc"]
     sdc.uncovered = sdc_uncovered(plain, 3)
     result = uncovered_result(sdc)

@@ -54,6 +54,43 @@ def test_each_check_has_one_checked_rank_per_node_and_one_capturer_for_it_elsewh
     assert roles(15, 10, 0, world, local, seed=1) == (False, None)  # not a check step: nothing at all
 
 
+def test_replay_nodes_cycles_through_every_node_in_order_then_shuffled():
+    from elastic.sdc.replay import checked_nodes
+
+    assert checked_nodes(3, 4, 0, seed=1) == checked_nodes(3, 4, 9, seed=1) == frozenset(range(4))
+    first = [checked_nodes(k, 10, 3, seed=1) for k in range(1, 5)]  # a cycle: ceil(10 / 3) checks
+    assert [sorted(n) for n in first] == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [0, 1, 9]]  # the last wraps
+    for cycle in range(1, 30):
+        checks = [checked_nodes(cycle * 4 + k, 10, 3, seed=1) for k in range(1, 5)]
+        assert all(len(n) == 3 for n in checks) and frozenset().union(*checks) == frozenset(range(10))
+    later = [sorted(checked_nodes(k, 10, 3, seed=1)) for k in range(5, 40)]
+    assert later != [sorted(checked_nodes(k, 10, 3, seed=2)) for k in range(5, 40)]
+    assert len({tuple(n) for n in later}) > 4  # not the first cycle's pattern over and over
+
+
+@pytest.mark.parametrize("nodes,local,per_check", [(4, 1, 1), (5, 2, 2), (3, 8, 1), (6, 2, 4)])
+def test_replay_nodes_checks_that_many_nodes_each_with_a_capturer_on_another(nodes, local, per_check):
+    world = nodes * local
+    seen: set[int] = set()
+    for step in range(10, 10 * (2 * nodes + 1), 10):
+        checked = {r for r in range(world) if roles(step, 10, r, world, local, seed=1, per_check=per_check)[0]}
+        captures = {roles(step, 10, r, world, local, seed=1, per_check=per_check)[1]: r for r in range(world)}
+        captures.pop(None, None)
+        assert len(checked) == per_check and len({r // local for r in checked}) == per_check
+        assert set(captures) == checked and all(c // local != t // local for t, c in captures.items())
+        seen |= {r // local for r in checked}
+    assert seen == set(range(nodes))  # every node checked within two cycles
+
+
+def test_replay_nodes_is_validated_and_sets_how_many_checks_cover_every_node():
+    from elastic.common.config import ConfigError
+    from elastic.sdc.config import SdcConfig
+
+    with pytest.raises(ConfigError, match=r"^replay_nodes: must be >= 0 \(0: every node\), got -1$"):
+        SdcConfig(replay_nodes=-1)
+    assert [SdcConfig(replay_nodes=n).node_cycle(64) for n in (0, 1, 8, 10, 64, 100)] == [1, 64, 8, 7, 1, 1]
+
+
 def _cfg(variant: dict) -> DiTTrainerConfig:
     return from_dict(DiTTrainerConfig, {"global_batch_size": 8, **variant}, "trainer")
 

@@ -6,8 +6,9 @@ step the same wrong weights: no two ranks disagree, and only a recomputation can
 recomputed is exactly what the rank contributes, before any reduction: its gradient of its own
 micro-batches from the step's unsharded parameters.
 
-Every ``replay_every`` steps, on every node, one local rank (the same local index everywhere:
-round robin over the local ranks for the first checks, then seeded random) is *checked*:
+Every ``replay_every`` steps, on every node (or ``replay_nodes`` of them, cycling through all:
+:func:`checked_nodes`), one local rank (the same local index everywhere: round robin over the local
+ranks for the first checks, then seeded random) is *checked*:
 
 * the checked rank ``r`` arms a fingerprint in FSDP's reduce-scatter seam
   (:meth:`~torch.distributed.fsdp.FSDPModule.set_custom_reduce_scatter`): a CRC32 of each FSDP
@@ -67,16 +68,38 @@ def checked_step(step: int, every: int, ab_block: int = 0) -> bool:
     return every > 0 and step % every == 0 and (ab_block <= 0 or ((step - 1) // ab_block) % 2 == 0)
 
 
+def checked_nodes(check: int, nodes: int, per_check: int, seed: int) -> frozenset[int]:
+    """The node indices with a checked rank at the ``check``-th check (1-based): every node when
+    ``per_check`` is 0 or covers them all; else ``per_check`` at a time, cycling through all of them
+    (``sdc.replay_nodes``): index order in the first cycle, then each cycle in an order shuffled by
+    the seed.  Every node comes once per cycle, so none goes unchecked for two cycles in a row (a
+    checkpoint's verification waits on the node checked last), and a fault cannot learn a pattern."""
+    if per_check <= 0 or per_check >= nodes:
+        return frozenset(range(nodes))
+    cycle, pos = divmod(check - 1, -(-nodes // per_check))
+    order = list(range(nodes))
+    if cycle:
+        random.Random(seed * 1_000_033 + cycle).shuffle(order)
+    # The last slot of a cycle wraps to the cycle's first nodes: the same count of replays every check.
+    return frozenset(order[(pos * per_check + j) % nodes] for j in range(per_check))
+
+
 def roles(step: int, every: int, rank: int, world: int, local_world: int, seed: int,
-          ab_block: int = 0) -> tuple[bool, int | None]:
-    """(whether this rank is checked at ``step``, the rank whose inputs it captures or None)."""
+          ab_block: int = 0, per_check: int = 0) -> tuple[bool, int | None]:
+    """(whether this rank is checked at ``step``, the rank whose inputs it captures or None);
+    ``per_check``: ``sdc.replay_nodes``."""
     if not checked_step(step, every, ab_block) or world < 2:
         return False, None
     local = checked_local(step // every, local_world, seed)
-    checked = rank % local_world == local
+    multi = world > local_world
+    nodes = checked_nodes(step // every, -(-world // local_world) if multi else 1, per_check, seed)
+
+    def is_checked(r: int) -> bool:
+        return r % local_world == local and (r // local_world if multi else 0) in nodes
+
     # This rank captures for the one a node before it (on one node: the rank before it).
-    target = (rank - (local_world if world > local_world else 1)) % world
-    return checked, target if target % local_world == local else None
+    target = (rank - (local_world if multi else 1)) % world
+    return is_checked(rank), target if is_checked(target) else None
 
 
 def clean_name(name: str) -> str:
@@ -147,8 +170,9 @@ class ReplayProbe:
     reduce-scatter and in each unit's pre-forward hook)."""
 
     def __init__(self, model: torch.nn.Module, every: int, seed: int, rank: int, world: int, local_world: int,
-                 corrupt: Callable[[int, str, torch.Tensor], None] | None = None, ab_block: int = 0) -> None:
-        self.every, self.seed, self.ab_block = every, seed, ab_block
+                 corrupt: Callable[[int, str, torch.Tensor], None] | None = None, ab_block: int = 0,
+                 per_check: int = 0) -> None:
+        self.every, self.seed, self.ab_block, self.per_check = every, seed, ab_block, per_check
         self.rank, self.world, self.local_world = rank, world, local_world
         self.corrupt = corrupt
         self.units = fsdp_units(model)
@@ -166,7 +190,7 @@ class ReplayProbe:
         """Before the step's forward: this rank's roles at ``step`` (None: not a check step for it)."""
         self.step = step
         checked, target = roles(step, self.every, self.rank, self.world, self.local_world, self.seed,
-                                self.ab_block)
+                                self.ab_block, self.per_check)
         self.check = _Check(step, checked, target) if checked or target is not None else None
         return self.check
 

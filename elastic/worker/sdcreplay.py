@@ -65,7 +65,8 @@ class ReplayVerification:
             return None
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         probe = ReplayProbe(model, cfg.replay_every, seed, session.rank, session.world, local_world,
-                            corrupt=_local_flip(session), ab_block=cfg.replay_ab_block)
+                            corrupt=_local_flip(session), ab_block=cfg.replay_ab_block,
+                            per_check=cfg.replay_nodes)
         return cls(session, probe, reduce_dtype)
 
     def begin(self, step: int) -> None:

@@ -318,16 +318,20 @@ class WorkerSession:
         manager.epoch, manager.distrust = self.epoch, distrust_from_env()
         if self.cfg.sdc.replay and publisher is not None:
             manager.sdc_verified = lambda epoch: self._verified_through(publisher.state, epoch)
-            # A check trails its step by one check interval and a replay; a checkpoint lands up to an
-            # interval after that: further back than twice both, verification has stalled.
-            manager.sdc_verified_within = 2 * (self.cfg.sdc.replay_every + self.cfg.checkpoint.interval_steps)
+            # A node's check trails its step by one cycle of checks (every node once: sdc.replay_nodes)
+            # and a replay; a checkpoint lands up to an interval after that: further back than twice
+            # both, verification has stalled.
+            cycle = self.cfg.sdc.node_cycle(self._nodes())
+            manager.sdc_verified_within = 2 * (self.cfg.sdc.replay_every * cycle + self.cfg.checkpoint.interval_steps)
         return manager
 
     def _verified_through(self, state: Any, epoch: int) -> int | None:
         """The step ``epoch``'s replay checks agree through (one verifier per node: the world's node
         count of them must have checked in that epoch)."""
-        nodes = max(1, self.world // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
-        return state.sdc_verified_through(nodes, epoch)
+        return state.sdc_verified_through(self._nodes(), epoch)
+
+    def _nodes(self) -> int:
+        return max(1, self.world // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
 
     # -- start ------------------------------------------------------------------
     def resume(self, state: dict[str, Any]) -> tuple[int, dict[str, Any]] | None:
