@@ -108,7 +108,7 @@ def _wait_spares_warm(run_dir: Path, nodes: int, procs: list[subprocess.Popen], 
     at --kill-at 40, found them still importing, which the recovery then waited for)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and any(p.poll() is None for p in procs):
-        if len(list(run_dir.glob("torchrun/*/*/spare-*.log"))) >= nodes and spares_warm(run_dir) is not None:
+        if spare_nodes(run_dir) >= nodes and spares_warm(run_dir) is not None:
             return
         time.sleep(0.2)
 
@@ -294,20 +294,35 @@ def assigned_spare_warm(run_dir: Path, kill_ts: float) -> bool | None:
     return None
 
 
+def spare_logs(run_dir: Path) -> list[Path]:
+    """The spares' logs (not their zygote's: ``spare-zygote-*.log`` stays empty unless it fails)."""
+    return [p for p in run_dir.glob("torchrun/*/*/spare-*.log") if not p.name.startswith("spare-zygote-")]
+
+
+def spare_nodes(run_dir: Path) -> int:
+    """How many nodes have started a spare."""
+    return len({log.parts[-3] for log in spare_logs(run_dir)})
+
+
 def spares_warm(run_dir: Path) -> float | None:
-    """When the last warm spare finished importing (its ``"warm"`` line), or None if one never did.
+    """When the last warm spare finished importing (its ``"warm"`` line) and, with the spare zygote
+    (``agent.inprocess.spare_fork``), the last zygote was ready (``agent.spare_zygote_ready``: it
+    imports the same beside the node's first spare); None if a spare never did.
 
     Each agent starts its spare once training runs; until it has imported torch, the trainer and
     torch._dynamo (7-10 s of 2 shared cores here, ~60-80 DiT steps) it takes CPU from the
-    ranks unevenly, and an A/A run (no snapshots on either side) read 1.005 and 1.058."""
+    ranks unevenly, and an A/A run (no snapshots on either side) read 1.005 and 1.058.  (Until this
+    read the zygote's log too, whose missing ``"warm"`` line made every run since the zygote count
+    nothing.)"""
     warm = []
-    for log in run_dir.glob("torchrun/*/*/spare-*.log"):
+    for log in spare_logs(run_dir):
         lines = [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
         marks = [line["ts"] for line in lines if line.get("spare") == "warm" and "ts" in line]
         if not marks:
             return None
         warm.append(marks[0])
-    return max(warm) if warm else None
+    zygotes = [e["ts"] for e in read_run_events(run_dir) if e["kind"] == "agent.spare_zygote_ready"]
+    return max(warm + zygotes) if warm else None
 
 
 def first_step_after(events: list[dict], ts: float | None) -> int | None:

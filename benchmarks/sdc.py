@@ -41,7 +41,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from recovery import NO_PREFLIGHT, checksum, load_avg, spares_warm  # noqa: E402
+from recovery import NO_PREFLIGHT, checksum, load_avg, spare_nodes, spares_warm  # noqa: E402
 from recovery_torchrun import env, make_config  # noqa: E402
 
 from elastic.common.events import read_run_events  # noqa: E402
@@ -115,7 +115,7 @@ def cost(args, work: Path, every: int) -> dict:
 def wait_warm(run_dir: Path, proc: subprocess.Popen, nodes: int, timeout: float = 300) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if len(list(run_dir.glob("torchrun/*/*/spare-*.log"))) >= nodes and spares_warm(run_dir):
+        if spare_nodes(run_dir) >= nodes and spares_warm(run_dir):
             return
         if proc.poll() is not None:
             raise RuntimeError(f"the run ended before its spares were warm (rc {proc.returncode})")
