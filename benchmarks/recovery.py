@@ -299,13 +299,18 @@ def spare_logs(run_dir: Path) -> list[Path]:
     return [p for p in run_dir.glob("torchrun/*/*/spare-*.log") if not p.name.startswith("spare-zygote-")]
 
 
+def _started_ms(log: Path) -> int:
+    """``spare-<ms>.log``: when the agent started that spare."""
+    return int(log.stem.rsplit("-", 1)[-1])
+
+
 def spare_nodes(run_dir: Path) -> int:
     """How many nodes have started a spare."""
     return len({log.parts[-3] for log in spare_logs(run_dir)})
 
 
 def spares_warm(run_dir: Path) -> float | None:
-    """When the last warm spare finished importing (its ``"warm"`` line) and, with the spare zygote
+    """When the last node's spare finished importing (its ``"warm"`` line) and, with the spare zygote
     (``agent.inprocess.spare_fork``), the last zygote was ready (``agent.spare_zygote_ready``: it
     imports the same beside the node's first spare); None if a spare never did.
 
@@ -315,7 +320,10 @@ def spares_warm(run_dir: Path) -> float | None:
     read the zygote's log too, whose missing ``"warm"`` line made every run since the zygote count
     nothing.)"""
     warm = []
-    for log in spare_logs(run_dir):
+    newest: dict[Path, Path] = {}  # per node and attempt: the spare it holds now (a spare still importing
+    for log in sorted(spare_logs(run_dir), key=_started_ms):  # when the zygote was ready gave way to a fork)
+        newest[log.parent] = log
+    for log in newest.values():
         lines = [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
         marks = [line["ts"] for line in lines if line.get("spare") == "warm" and "ts" in line]
         if not marks:
