@@ -36,8 +36,9 @@ class SdcConfig:
     """How many nodes have a rank checked at each check step (0, the default: every node).  Fewer
     divides replay verification's compute and etcd writes per check by ``nodes / replay_nodes``: the
     checks cycle through the nodes (index order in the first cycle, then each cycle shuffled by the
-    seed), so every node is still checked at least once per ``ceil(nodes / replay_nodes)`` checks,
-    and a checkpoint is verified only once every node's newest check has reached it.  The price: a
+    seed), so every node is checked once in each cycle of ``ceil(nodes / replay_nodes)`` checks
+    (two checks of a node lie at most two cycles apart), and a checkpoint is verified only once
+    every node's newest check has reached it.  The price: a
     one-off flip on a node that is not checked at its step is not seen (a persistent fault is, on
     the node's next check).  On a host where the spares share the ranks' cores (the 2-core CPU test
     host), every node's replay per check costs about 1/``replay_every`` of the ranks' compute."""
